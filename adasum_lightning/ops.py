@@ -1,0 +1,85 @@
+"""Reference Adasum operator in pure PyTorch.
+
+This is the arithmetic Horovod's MPI Adasum allreduce performs, written out so that tests can check
+the real collective against it and the scaling simulator can use it without processes.
+
+Sources: Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021 (the
+operator); Horovod 0.28.1 ``horovod/common/ops/adasum/adasum.h`` (float64 accumulation, the
+``sqrt(DBL_MIN)`` guard, and the recursive vector-halving / distance-doubling pairing).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["adasum", "adasum_reduce", "is_power_of_two", "ADASUM_NORM_EPS"]
+
+#: Squared norms below this count as zero (their coefficient is forced to 1), as in Horovod's
+#: ``adasum.h`` (``std::sqrt(DBL_MIN)`` ≈ 1.49e-154). A zero update therefore yields no NaN.
+ADASUM_NORM_EPS: float = math.sqrt(sys.float_info.min)
+
+
+def is_power_of_two(n: int) -> bool:
+    """True when ``n`` is 1, 2, 4, 8, … (``n`` an int ≥ 1)."""
+    return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
+
+
+def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Adasum of two tensors of the same shape.
+
+    ``adasum(a, b) = (1 - a·b / (2‖a‖²))·a + (1 - a·b / (2‖b‖²))·b``
+
+    Orthogonal inputs give ``a + b``; identical inputs give ``a``. The dot product and squared norms
+    are computed in float64 over the whole tensor (one coefficient pair per tensor, as Horovod does
+    per layer); a coefficient is 1 when the matching squared norm is below :data:`ADASUM_NORM_EPS`.
+
+    Args:
+        a, b: tensors of any shape (identical shapes), floating dtype (float16, bfloat16, float32 or
+            float64), on the same device.
+
+    Returns:
+        A tensor of ``a``'s shape and dtype.
+
+    Raises:
+        ValueError: if the shapes differ or the dtype is not floating point.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"adasum needs tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if not a.is_floating_point() or not b.is_floating_point():
+        raise ValueError(f"adasum needs floating-point tensors, got {a.dtype} and {b.dtype}")
+    a64 = a.detach().to(torch.float64).reshape(-1)
+    b64 = b.detach().to(torch.float64).reshape(-1)
+    dot = torch.dot(a64, b64).item()
+    a_sq = torch.dot(a64, a64).item()
+    b_sq = torch.dot(b64, b64).item()
+    a_coeff = 1.0 - dot / a_sq * 0.5 if a_sq >= ADASUM_NORM_EPS else 1.0
+    b_coeff = 1.0 - dot / b_sq * 0.5 if b_sq >= ADASUM_NORM_EPS else 1.0
+    return (a_coeff * a64 + b_coeff * b64).reshape(a.shape).to(a.dtype)
+
+
+def adasum_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Adasum over ``2**k`` workers' tensors, paired the way Horovod's MPI allreduce pairs ranks.
+
+    Horovod's recursive vector-halving / distance-doubling exchange combines rank ``r`` with rank
+    ``r XOR d`` at distances ``d = 1, 2, 4, …``; its result equals combining neighbours first:
+    ``adasum(adasum(x0, x1), adasum(x2, x3))`` for four ranks. Every rank receives this one result.
+
+    Args:
+        tensors: one tensor per rank, in rank order; all of one shape and floating dtype.
+
+    Returns:
+        The reduced tensor (shape and dtype of the inputs).
+
+    Raises:
+        ValueError: if the count is not a power of 2 (Horovod's CPU Adasum refuses those too).
+    """
+    items = list(tensors)
+    if not is_power_of_two(len(items)):
+        raise ValueError(f"adasum_reduce needs a power-of-2 number of tensors (1, 2, 4, …), got {len(items)}")
+    while len(items) > 1:
+        items = [adasum(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+    return items[0]

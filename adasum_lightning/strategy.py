@@ -1,0 +1,370 @@
+"""Horovod strategies for PyTorch Lightning 2.x: Adasum (``horovod_adasum``) and averaging (``horovod``).
+
+Lightning 2.0 removed its Horovod strategy (PR #16150). These two strategies share one
+implementation and differ only in the reduction op and the learning-rate policy:
+
+======================  ==============================  ===========================================
+name                    reduction (Horovod op)          learning rate, ``lr_scaling="auto"``
+======================  ==============================  ===========================================
+``horovod_adasum``      Adasum of parameter deltas      × 1 on CPU; × ``hvd.local_size()`` on GPU
+                                                        with a NCCL-built Horovod
+``horovod``             average of gradients            × world size (pytorch-lightning 1.x)
+======================  ==============================  ===========================================
+
+Processes are started by ``horovodrun`` / ``mpirun`` (one per device); Lightning never spawns them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import numbers
+import os
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from lightning_fabric.utilities.types import ReduceOp
+from pytorch_lightning.accelerators import CUDAAccelerator
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+from adasum_lightning.environment import HorovodEnvironment
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HorovodStrategy", "HorovodAdasumStrategy", "import_horovod"]
+
+# Param-group keys that hold a learning rate: torch's optimizers use "lr"; schedulers keep their own
+# copies ("initial_lr" for every LRScheduler, "max_lr"/"min_lr" for OneCycleLR).
+_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+
+
+def import_horovod():
+    """Import ``horovod.torch`` or raise an ``ImportError`` that names the fix.
+
+    Raises:
+        ImportError: Horovod is missing, or was built without its PyTorch extension.
+    """
+    try:
+        import horovod.torch as hvd
+    except ImportError as err:
+        raise ImportError(
+            f"Horovod with PyTorch support is not importable ({err}). Build it against the installed torch "
+            "with `make setup` (or `patches/build_horovod.sh --python $(which python)`)."
+        ) from err
+    return hvd
+
+
+class HorovodStrategy(ParallelStrategy):
+    """Data-parallel training with Horovod: one process per device, gradients averaged by allreduce.
+
+    This is pytorch-lightning 1.x's ``strategy="horovod"`` for Lightning 2.x: each optimizer is wrapped
+    in ``hvd.DistributedOptimizer(op=hvd.Average)`` and, with ``lr_scaling="auto"``, every learning rate
+    is multiplied by the world size (PL #2574). :class:`HorovodAdasumStrategy` is the Adasum variant.
+
+    Args:
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy;
+            Lightning fills them from the ``Trainer`` arguments.
+        lr_scaling: ``"auto"`` (this strategy's policy, see :meth:`lr_scale_factor`), ``"none"``
+            (factor 1) or a positive number used as the factor. The factor multiplies each param group's
+            ``lr`` (and ``initial_lr``/``max_lr``/``min_lr`` when a scheduler keeps them) and every
+            scheduler's ``base_lrs``, once, when fitting starts.
+        compression: ``"none"`` or ``"fp16"``: values are cast to float16 for the allreduce only
+            (Horovod's ``Compression.fp16``).
+        gradient_predivide_factor: Horovod's averaging split (gradients ÷ factor before the sum,
+            × factor ÷ size after). Must be 1 for Adasum.
+
+    Raises:
+        ValueError: on an unknown ``lr_scaling`` or ``compression``.
+    """
+
+    strategy_name = "horovod"
+    #: Horovod op name used by the optimizer wrapper ("Average" or "Adasum").
+    reduction = "Average"
+
+    def __init__(
+        self,
+        accelerator=None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        lr_scaling: str | float = "auto",
+        compression: str = "none",
+        gradient_predivide_factor: float = 1.0,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=HorovodEnvironment(),
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.lr_scaling = _check_lr_scaling(lr_scaling)
+        if compression not in ("none", "fp16"):
+            raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
+        self.compression = compression
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.lr_factor: float | None = None
+        self._hvd = None
+        self._sampler_seed = 0
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def hvd(self):
+        """The ``horovod.torch`` module, imported on first use (see :func:`import_horovod`)."""
+        if self._hvd is None:
+            self._hvd = import_horovod()
+        return self._hvd
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning to insert a DistributedSampler and to honour ``sync_dist``.
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # One shuffling seed for all ranks (rank 0's), so that the shards are disjoint even when each
+        # rank called seed_everything with its own seed.
+        return {"num_replicas": self.world_size, "rank": self.global_rank, "seed": self._sampler_seed}
+
+    def setup_environment(self) -> None:
+        hvd = self.hvd
+        hvd.init()
+        rank_zero_only.rank = hvd.rank()
+        self._sampler_seed = hvd.broadcast_object(int(os.environ.get("PL_GLOBAL_SEED", 0)), root_rank=0)
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ learning rate
+    def lr_scale_factor(self) -> float:
+        """The factor applied to the learning rates: ``hvd.size()`` under ``lr_scaling="auto"``."""
+        if self.lr_scaling == "none":
+            return 1.0
+        if self.lr_scaling == "auto":
+            return float(self.hvd.size())
+        return float(self.lr_scaling)
+
+    def _scale_learning_rates(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for key in _LR_KEYS:
+                    if isinstance(group.get(key), numbers.Real):
+                        group[key] = group[key] * factor
+        for config in self.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        hvd = self.hvd
+        self.lr_factor = self.lr_scale_factor()
+        self._scale_learning_rates(self.lr_factor)
+        rank_zero_info(
+            f"{type(self).__name__}: world size {hvd.size()}, {self.reduction} reduction, "
+            f"learning-rate factor {self.lr_factor:g} (lr_scaling={self.lr_scaling!r})"
+        )
+        # Every rank starts from rank 0's weights; broadcast before wrapping so that Horovod's
+        # optimizer sees the final values.
+        assert self.lightning_module is not None
+        hvd.broadcast_parameters(self.lightning_module.state_dict(), root_rank=0)
+        originals = list(self.optimizers)
+        self.optimizers = [
+            self._wrap_optimizer(optimizer, index, trainer.accumulate_grad_batches)
+            for index, optimizer in enumerate(originals)
+        ]
+        # Schedulers must follow the wrapper: a checkpoint restore replaces its param groups.
+        for config in self.lr_scheduler_configs:
+            for original, wrapper in zip(originals, self.optimizers, strict=True):
+                if getattr(config.scheduler, "optimizer", None) is original:
+                    config.scheduler.optimizer = wrapper
+                    _mark_step_for_schedulers(wrapper)
+
+    def _named_parameters(self, optimizer: Optimizer, index: int) -> list[tuple[str, Tensor]]:
+        """(name, parameter) for this optimizer's parameters only; names are the allreduce names."""
+        assert self.lightning_module is not None
+        names = {p: name for name, p in self.lightning_module.named_parameters()}
+        named = []
+        for g, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                named.append((names.get(p, f"optimizer{index}.group{g}.param{j}"), p))
+        return named
+
+    def _wrap_optimizer(self, optimizer: Optimizer, index: int, backward_passes_per_step: int) -> Optimizer:
+        hvd = self.hvd
+        compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
+        return hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=self._named_parameters(optimizer, index),
+            compression=compression,
+            op=getattr(hvd, self.reduction),
+            backward_passes_per_step=backward_passes_per_step,
+            gradient_predivide_factor=self.gradient_predivide_factor,
+        )
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        # Every rank read the same file; the broadcast also covers a file only rank 0 could read well.
+        for optimizer in self.optimizers:
+            if optimizer.state_dict()["state"]:
+                self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    # ------------------------------------------------------------------ step
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        """Average: wait for the gradient allreduce right after backward (before clipping and before
+        Lightning's ``on_before_optimizer_step``), then step without a second synchronisation."""
+        hvd_optimizer = getattr(optimizer, "_optimizer", optimizer)
+
+        def closure_then_synchronize() -> Any:
+            result = closure()
+            hvd_optimizer.synchronize()
+            return result
+
+        with ExitStack() as stack:
+            stack.enter_context(hvd_optimizer.skip_synchronize())
+            return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Allreduce ``tensor`` over all ranks ("mean"/"avg", "sum", "max", "min"); other values pass through.
+
+        Returns a tensor of the input's shape; non-tensors are returned unchanged.
+        """
+        if not isinstance(tensor, Tensor):
+            return tensor
+        op = self._horovod_op(reduce_op)
+        return self.hvd.allreduce(tensor, op=op)
+
+    def _horovod_op(self, reduce_op: ReduceOp | str | None):
+        hvd = self.hvd
+        name = getattr(reduce_op, "name", reduce_op)
+        name = "mean" if name is None else str(name).lower()
+        table = {
+            "mean": hvd.Average,
+            "avg": hvd.Average,
+            "average": hvd.Average,
+            "sum": hvd.Sum,
+            "max": hvd.Max,
+            "min": hvd.Min,
+        }
+        if name not in table:
+            raise ValueError(f"reduce_op {reduce_op!r} is not supported; use 'mean', 'sum', 'max' or 'min'")
+        return table[name]
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather ``tensor`` (any shape ``S``) from every rank: returns shape ``(world_size, *S)``."""
+        if not sync_grads:
+            tensor = tensor.detach()
+        return self.hvd.allgather(tensor.unsqueeze(0))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=src)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._hvd is not None and self.hvd.is_initialized():
+            self.hvd.barrier()
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        # Horovod's wrapper registers backward hooks on the gradient accumulators of the parameters and
+        # keeps them alive; dropping them lets a later fit() wrap fresh optimizers without the old hooks.
+        for optimizer in self.optimizers:
+            grad_accs = getattr(optimizer, "_grad_accs", None)
+            if isinstance(grad_accs, list):
+                grad_accs.clear()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True
+        )
+
+
+class HorovodAdasumStrategy(HorovodStrategy):
+    """Data-parallel training with Horovod's Adasum: parameter deltas combined adaptively.
+
+    Each optimizer is wrapped in ``hvd.DistributedOptimizer(op=hvd.Adasum)``. With world size > 1 that
+    is Horovod's ``_DistributedAdasumOptimizer`` (``horovod/torch/optimizer.py``): on the
+    ``backward_passes_per_step``-th backward of a parameter its hook runs the wrapped optimizer's step on
+    that parameter alone, turns it into the delta (new − start) and starts an Adasum allreduce of the
+    delta; ``step()`` waits and sets the parameter to start + reduced delta. Each rank keeps its own
+    optimizer state (e.g. momentum from its local gradients). Adasum of two deltas ``a``, ``b`` is
+    ``(1 − a·b/2‖a‖²)·a + (1 − a·b/2‖b‖²)·b`` (Maleki et al., MLSys 2021;
+    :func:`adasum_lightning.ops.adasum`).
+
+    Learning rate, ``lr_scaling="auto"`` (Horovod's ``docs/adasum_user_guide.rst``): no world-size
+    scaling. Factor 1 on CPU; ``hvd.local_size()`` when Horovod is NCCL-built and the model is on GPU,
+    because NCCL Adasum averages inside a node and applies Adasum across nodes.
+
+    ``backward_passes_per_step`` is the Trainer's ``accumulate_grad_batches``.
+
+    Args: as :class:`HorovodStrategy`.
+    """
+
+    strategy_name = "horovod_adasum"
+    reduction = "Adasum"
+
+    def lr_scale_factor(self) -> float:
+        """1 on CPU; ``hvd.local_size()`` on GPU with a NCCL build (``lr_scaling="auto"``)."""
+        if self.lr_scaling == "auto":
+            hvd = self.hvd
+            on_gpu = self.root_device.type == "cuda"
+            return float(hvd.local_size()) if on_gpu and hvd.nccl_built() else 1.0
+        return super().lr_scale_factor()
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        # Horovod's Adasum step() runs the closure (forward + backward, whose hooks already did the local
+        # step and started the delta allreduce), then waits and applies the reduced delta. It has no
+        # synchronize() and its skip_synchronize() raises, so the step goes straight through.
+        return ParallelStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
+
+
+def _mark_step_for_schedulers(optimizer: Optimizer) -> None:
+    """Let torch's LR schedulers see ``step()`` calls of a wrapper built after them (as they do for the
+    optimizer they were created with), so that they neither warn nor lose track of the step order."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def step_and_mark(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    step_and_mark._wrapped_by_lr_sched = True
+    optimizer.step = step_and_mark
+
+
+def _check_lr_scaling(value: str | float) -> str | float:
+    if isinstance(value, str):
+        if value in ("auto", "none"):
+            return value
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(
+                f"lr_scaling must be 'auto', 'none' or a positive number, got {value!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"lr_scaling must be 'auto', 'none' or a positive number, got {value!r}")
+    return float(value)

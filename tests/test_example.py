@@ -1,0 +1,90 @@
+"""The MNIST example: its data handling, and the real 3-epoch run with 2 processes."""
+
+import gzip
+import re
+import shutil
+import stat
+import sys
+
+import pytest
+from conftest import ROOT, run_horovod
+
+sys.path.insert(0, str(ROOT / "examples"))
+from mnist import MNISTDataModule  # noqa: E402
+from torchvision import datasets  # noqa: E402
+
+FILES = [name for name, _ in datasets.MNIST.resources]
+
+
+def _readonly_copy(src_root, dst_root):
+    raw = dst_root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in FILES:
+        shutil.copyfile(src_root / "MNIST" / "raw" / name, raw / name)
+    for path in (raw, raw.parent, dst_root):
+        path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    return dst_root
+
+
+def test_read_only_data_dir_is_copied_to_the_cache(mnist_root, tmp_path, monkeypatch):
+    if mnist_root is None:
+        pytest.skip("MNIST is absent and could not be downloaded")
+    if not (mnist_root / "MNIST" / "raw" / FILES[0]).exists():
+        pytest.skip("only extracted MNIST files are available")
+    ro = _readonly_copy(mnist_root, tmp_path / "ro")
+    monkeypatch.setenv("ADASUM_DATA_CACHE", str(tmp_path / "cache"))
+    try:
+        dm = MNISTDataModule(data_dir=str(ro))
+        assert dm.root() == tmp_path / "cache"
+        dm.prepare_data()
+        dm.setup("fit")
+        assert (len(dm.train_set), len(dm.val_set)) == (60000, 10000)
+        assert sorted(p.name for p in ro.joinpath("MNIST", "raw").iterdir()) == sorted(FILES)  # untouched
+    finally:
+        for path in (ro, ro / "MNIST", ro / "MNIST" / "raw"):
+            path.chmod(stat.S_IRWXU)
+
+
+def test_corrupt_gz_names_the_file(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    with gzip.open(raw / "train-labels-idx1-ubyte.gz", "wb") as f:
+        f.write(b"not mnist")
+    with pytest.raises(RuntimeError, match=r"train-labels-idx1-ubyte\.gz is corrupt \(MD5 mismatch"):
+        MNISTDataModule(data_dir=str(tmp_path)).prepare_data()
+
+
+def test_missing_data_without_network_says_where_to_put_the_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])  # nothing listens: no network
+    with pytest.raises(RuntimeError) as info:
+        MNISTDataModule(data_dir=str(tmp_path / "empty")).prepare_data()
+    message = str(info.value)
+    assert "could not be downloaded" in message
+    assert f"{tmp_path / 'empty' / 'MNIST' / 'raw'}/" in message and "train-images-idx3-ubyte.gz" in message
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_two_processes_reach_95_percent_in_three_epochs(mnist_root, tmp_path):
+    if mnist_root is None:
+        pytest.skip("MNIST is absent and could not be downloaded")
+    proc = run_horovod(
+        2,
+        ROOT / "examples" / "mnist.py",
+        "fit",
+        "--config",
+        str(ROOT / "examples" / "mnist.yaml"),
+        f"--data.data_dir={mnist_root}",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        timeout=600,
+    )
+    found = re.findall(r"val_acc=([0-9.]+)", proc.stdout)
+    assert len(found) == 1, proc.stdout[-2000:]  # printed once, by rank 0
+    assert float(found[0]) >= 0.95
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert metrics[0].split(",")[:2] == ["epoch", "step"] and "val_acc" in metrics[0]
+    epochs = [
+        line.split(",")[0] for line in metrics[1:] if line.split(",")[metrics[0].split(",").index("val_acc")]
+    ]
+    assert epochs == ["0", "1", "2"]

@@ -1,0 +1,138 @@
+"""Real multi-process runs under horovodrun (Open MPI, CPU): every rank's result is checked."""
+
+import sys
+
+import pytest
+import torch
+from conftest import WORKERS, load_ranks, run_horovod
+
+from adasum_lightning.ops import adasum
+
+sys.path.insert(0, str(WORKERS))
+from tiny import tiny_net  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_adasum_allreduce_equals_the_reference(np, tmp_path):
+    run_horovod(np, "collectives.py", str(tmp_path))
+    ranks = load_ranks(tmp_path, np)
+    for r, res in enumerate(ranks):
+        assert (res["rank"], res["size"]) == (r, np)
+        for (dtype, shape), diff in res["adasum"].items():
+            if dtype == "torch.float64":
+                assert diff["max_abs"] <= 1e-12, (r, shape, diff)
+            else:
+                assert diff["rel"] <= 1e-5, (r, shape, diff)
+        assert torch.equal(res["orthogonal"], torch.ones(np, dtype=torch.float64))  # orthogonal: the sum
+        assert torch.equal(res["identical"], torch.arange(4, dtype=torch.float64))  # identical: unchanged
+        assert not torch.isnan(res["zero_rank0"]).any()
+        # strategy collectives: ranks hold 1..np
+        assert res["reduce_mean"].item() == pytest.approx((np + 1) / 2)
+        assert res["reduce_sum"].item() == np * (np + 1) / 2
+        assert res["reduce_max"].item() == np
+        assert torch.equal(res["all_gather"], torch.tensor([[i, 10 * i] for i in range(np)]))
+        assert res["broadcast"] == {"from": np - 1, "list": [np - 1] * 3}
+        assert (res["global_rank"], res["world_size"]) == (r, np)
+    # With 2 ranks the "one zero update" case returns the other rank's update exactly.
+    if np == 2:
+        assert torch.equal(ranks[0]["zero_rank0"], torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+
+
+def assert_ranks_identical(ranks, key="end"):
+    for r, res in enumerate(ranks[1:], start=1):
+        for name, tensor in ranks[0][key].items():
+            assert torch.equal(tensor, res[key][name]), f"{key}[{name}] differs between rank 0 and rank {r}"
+
+
+def assert_disjoint_shards(ranks, n, epochs):
+    per_epoch = n // len(ranks)
+    for e in range(epochs):
+        seen = [set(res["indices"][e * per_epoch : (e + 1) * per_epoch]) for res in ranks]
+        assert sum(len(s) for s in seen) == n, f"epoch {e}: shards overlap"
+        assert set().union(*seen) == set(range(n)), f"epoch {e}: samples missing"
+
+
+@pytest.fixture(scope="module")
+def adasum_2ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("adasum2")
+    run_horovod(2, "fit.py", str(out), "--epochs", "2", "--scheduler", "onecycle")
+    return out, load_ranks(out, 2)
+
+
+def test_fit_two_ranks_identical_parameters_and_own_shards(adasum_2ranks):
+    _, ranks = adasum_2ranks
+    assert_ranks_identical(
+        ranks, "start"
+    )  # rank 0's initial weights were broadcast (ranks seeded differently)
+    assert_ranks_identical(ranks, "end")
+    assert all(res["global_step"] == 16 for res in ranks)  # 64 samples / 2 ranks / batch 4 × 2 epochs
+    assert all(res["optimizer_class"] == "SGD/horovod.torch.optimizer" for res in ranks)
+    assert_disjoint_shards(ranks, n=64, epochs=2)
+    # The schedule stepped identically on both ranks.
+    assert ranks[0]["lrs"] == ranks[1]["lrs"] and ranks[0]["lrs"][0] < ranks[0]["lrs"][-1]
+
+
+@pytest.mark.parametrize(("strategy", "factor"), [("horovod_adasum", 1), ("horovod", 4)])
+def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, tmp_path):
+    run_horovod(4, "fit.py", str(tmp_path), "--strategy", strategy, "--lr", "0.05", "--scheduler", "step")
+    ranks = load_ranks(tmp_path, 4)
+    for res in ranks:
+        assert res["world_size"] == 4
+        assert res["start_lr"] == pytest.approx(0.05 * factor)
+        assert res["base_lrs"] == [pytest.approx(0.05 * factor)]
+        assert (
+            res["lrs"] == [pytest.approx(0.05 * factor)] * 8
+        )  # 2 epochs × 4 steps; StepLR steps every 3 epochs
+    assert_ranks_identical(ranks, "end")
+    assert_disjoint_shards(ranks, n=64, epochs=2)
+
+
+def test_one_step_is_the_adasum_of_the_local_sgd_deltas(tmp_path):
+    lr, momentum = 0.1, 0.5
+    run_horovod(2, "fit.py", str(tmp_path), "--max-steps", "1", "--lr", str(lr))
+    ranks = load_ranks(tmp_path, 2)
+    start = {k.removeprefix("net."): v for k, v in ranks[0]["start"].items()}
+    deltas = []
+    for res in ranks:  # each rank's local SGD step from the common start on its own batch
+        net = tiny_net()
+        net.load_state_dict(start)
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+        x, y = res["batches"][0]
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        deltas.append({k: v.detach() - start[k] for k, v in net.state_dict().items()})
+    assert not torch.equal(ranks[0]["batches"][0][0], ranks[1]["batches"][0][0])
+    for r, res in enumerate(ranks):
+        for name, end in res["end"].items():
+            key = name.removeprefix("net.")
+            expected = start[key] + adasum(deltas[0][key], deltas[1][key])
+            assert torch.allclose(end, expected, rtol=1e-5, atol=1e-7), (
+                r,
+                name,
+                (end - expected).abs().max(),
+            )
+            # and it is neither the sum nor the mean of the deltas (they are not orthogonal or parallel)
+            assert not torch.allclose(end, start[key] + deltas[0][key] + deltas[1][key], rtol=1e-5, atol=1e-7)
+
+
+def test_resume_from_rank_zero_checkpoint(adasum_2ranks, tmp_path):
+    first, _ = adasum_2ranks
+    ckpts = sorted((first / "checkpoints").glob("*.ckpt"))
+    assert [c.name for c in ckpts] == ["epoch=1-step=16.ckpt"]
+    ckpt = torch.load(ckpts[0], weights_only=False)
+    run_horovod(
+        2, "fit.py", str(tmp_path), "--epochs", "3", "--scheduler", "onecycle", "--ckpt-path", str(ckpts[0])
+    )
+    ranks = load_ranks(tmp_path, 2)
+    saved_state = ckpt["optimizer_states"][0]["state"]
+    for res in ranks:
+        assert res["global_step_start"] == 16 and res["global_step"] == 24
+        for name, tensor in ckpt["state_dict"].items():
+            assert torch.equal(res["start"][name], tensor), name
+        assert res["start_opt_state"].keys() == saved_state.keys()
+        for k, buffers in res["start_opt_state"].items():
+            assert torch.equal(buffers["momentum_buffer"], saved_state[k]["momentum_buffer"])
+        assert res["lrs"][0] == pytest.approx(ckpt["lr_schedulers"][0]["_last_lr"][0])
+    assert_ranks_identical(ranks, "end")

@@ -1,0 +1,112 @@
+"""The strategies in one process: registration, construction without side effects, size-1 training."""
+
+import subprocess
+import sys
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import WORKERS, mpi_env
+
+import adasum_lightning
+from adasum_lightning import HorovodAdasumStrategy, HorovodStrategy
+from adasum_lightning.environment import HorovodEnvironment
+
+sys.path.insert(0, str(WORKERS))
+from tiny import TinyModule  # noqa: E402
+
+
+def test_import_registers_both_names():
+    from pytorch_lightning.strategies import StrategyRegistry
+
+    assert StrategyRegistry["horovod_adasum"]["strategy"] is HorovodAdasumStrategy
+    assert StrategyRegistry["horovod"]["strategy"] is HorovodStrategy
+    assert adasum_lightning.__version__ == "0.1.0"
+
+
+def test_building_a_trainer_does_not_initialise_horovod():
+    # A fresh interpreter: the notebook case. Building the Trainer must not call hvd.init().
+    code = (
+        "import adasum_lightning, pytorch_lightning as pl, horovod.torch as hvd\n"
+        "t = pl.Trainer(strategy='horovod_adasum', accelerator='cpu', logger=False)\n"
+        "print(type(t.strategy).__name__, hvd.is_initialized(), t.world_size, t.global_rank)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["HorovodAdasumStrategy", "False", "1", "0"]
+
+
+@pytest.mark.parametrize("bad", ["double", -1, 0, True])
+def test_lr_scaling_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="lr_scaling must be 'auto', 'none' or a positive number"):
+        HorovodAdasumStrategy(lr_scaling=bad)
+
+
+def test_compression_rejects_unknown():
+    with pytest.raises(ValueError, match="compression must be 'none' or 'fp16'"):
+        HorovodStrategy(compression="int8")
+
+
+def test_environment_reads_the_launcher_before_init(monkeypatch):
+    for name in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "5")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    env = HorovodEnvironment()
+    if env_initialised():
+        pytest.skip("Horovod already initialised in this process; the launcher values are not read")
+    assert (env.global_rank(), env.world_size(), env.local_rank(), env.node_rank()) == (5, 8, 1, 1)
+    assert HorovodEnvironment.detect() and env.creates_processes_externally
+
+
+def env_initialised() -> bool:
+    import horovod.torch as hvd
+
+    return hvd.is_initialized()
+
+
+def test_only_rank_zero_writes_checkpoints(tmp_path):
+    # Rank taken from the launcher's variable (Horovod not initialised in that process).
+    code = (
+        "import torch, adasum_lightning\n"
+        "s = adasum_lightning.HorovodAdasumStrategy()\n"
+        f"s.save_checkpoint({{'x': torch.ones(1)}}, r'{tmp_path}/ckpt.pt')\n"
+        "print(s.global_rank)\n"
+    )
+    for rank, exists in (("1", False), ("0", True)):
+        env = dict(mpi_env(), OMPI_COMM_WORLD_RANK=rank, OMPI_COMM_WORLD_SIZE="2")
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip() == rank
+        assert (tmp_path / "ckpt.pt").exists() is exists
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected_lr"),
+    [("horovod_adasum", 0.1), ("horovod", 0.1), (HorovodAdasumStrategy(lr_scaling=2.5), 0.25)],
+)
+def test_size_one_fit_trains_with_the_expected_lr(strategy, expected_lr):
+    pl.seed_everything(7)
+    model = TinyModule(lr=0.1, scheduler="step")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=3,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model)
+    assert trainer.world_size == 1 and trainer.global_step == 3
+    assert model.record["start_lr"] == pytest.approx(expected_lr)
+    assert model.record["base_lrs"] == [pytest.approx(expected_lr)]
+    assert model.record["lrs"] == [pytest.approx(expected_lr)] * 3  # StepLR(step_size=3) not yet stepped
+    changed = [k for k in before if not torch.equal(before[k], model.state_dict()[k])]
+    assert sorted(changed) == sorted(before)  # every parameter moved

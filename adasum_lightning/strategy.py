@@ -16,12 +16,13 @@ Processes are started by ``horovodrun`` / ``mpirun`` (one per device); Lightning
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import numbers
 import os
+import sys
 from collections.abc import Callable
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -29,10 +30,11 @@ from lightning_fabric.utilities.types import ReduceOp
 from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from adasum_lightning import validation
 from adasum_lightning.environment import HorovodEnvironment
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,7 @@ class HorovodStrategy(ParallelStrategy):
         self.lr_factor: float | None = None
         self._hvd = None
         self._sampler_seed = 0
+        self._hook_handles: list = []
 
     # ------------------------------------------------------------------ topology
     @property
@@ -142,12 +145,39 @@ class HorovodStrategy(ParallelStrategy):
         hvd = self.hvd
         hvd.init()
         rank_zero_only.rank = hvd.rank()
-        self._sampler_seed = hvd.broadcast_object(int(os.environ.get("PL_GLOBAL_SEED", 0)), root_rank=0)
         super().setup_environment()
+        with _reported_on_every_rank(hvd.rank()):
+            self._validate_environment()  # before the first collective: a bad launch can crash in one
+        self._sampler_seed = hvd.broadcast_object(int(os.environ.get("PL_GLOBAL_SEED", 0)), root_rank=0)
+
+    def _validate_environment(self) -> None:
+        """Rules on the launch (controller, world size, topology), checked right after ``hvd.init()``."""
+        hvd = self.hvd
+        validation.check_cpu_operations(
+            mpi_enabled=hvd.mpi_enabled(), cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS")
+        )
+
+    def _validate_trainer(self, trainer) -> None:
+        """Rules on the Trainer's settings, checked when ``setup`` starts, before the model is wrapped."""
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[Optimizer]) -> None:
+        ParallelStrategy.optimizers.fset(self, optimizers)
+        # Lightning's LightningOptimizer subclasses the optimizer's class; Horovod's wrapper methods call
+        # super(self.__class__, self), which then recurses forever (manual optimisation's
+        # opt.zero_grad()). Route those methods to the wrapper itself.
+        for lightning_optimizer in self._lightning_optimizers:
+            for name in ("zero_grad", "synchronize", "skip_synchronize"):
+                if name in vars(type(lightning_optimizer._optimizer)):
+                    setattr(lightning_optimizer, name, getattr(lightning_optimizer._optimizer, name))
 
     # ------------------------------------------------------------------ learning rate
     def lr_scale_factor(self) -> float:
@@ -173,7 +203,13 @@ class HorovodStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            with _reported_on_every_rank(self.global_rank):
+                self._validate_trainer(trainer)
         super().setup(trainer)
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        validation.check_single_device([*module.parameters(), *module.buffers()])
         if trainer.state.fn != TrainerFn.FITTING:
             return
         hvd = self.hvd
@@ -185,8 +221,7 @@ class HorovodStrategy(ParallelStrategy):
         )
         # Every rank starts from rank 0's weights; broadcast before wrapping so that Horovod's
         # optimizer sees the final values.
-        assert self.lightning_module is not None
-        hvd.broadcast_parameters(self.lightning_module.state_dict(), root_rank=0)
+        hvd.broadcast_parameters(module.state_dict(), root_rank=0)
         originals = list(self.optimizers)
         self.optimizers = [
             self._wrap_optimizer(optimizer, index, trainer.accumulate_grad_batches)
@@ -221,6 +256,35 @@ class HorovodStrategy(ParallelStrategy):
             gradient_predivide_factor=self.gradient_predivide_factor,
         )
 
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint on every rank; a missing or unreadable file raises an error naming the fix.
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            RuntimeError: the file is truncated, corrupt or not a Lightning checkpoint.
+        """
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint_path} does not exist on rank {self.global_rank}. Pass the path of a "
+                "checkpoint that every rank can read (Lightning writes them under "
+                "<default_root_dir>/.../checkpoints/), or ckpt_path=None to start from scratch."
+            ) from err
+        except Exception as err:
+            first_line = (str(err).splitlines() or [""])[0][:200]
+            raise RuntimeError(
+                f"checkpoint {checkpoint_path} could not be read on rank {self.global_rank} "
+                f"({type(err).__name__}: {first_line}). It is truncated, corrupt or "
+                "not a Lightning checkpoint: pass another ckpt_path, or ckpt_path=None to start from scratch."
+            ) from err
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise RuntimeError(
+                f"checkpoint {checkpoint_path} holds no 'state_dict': it is not a Lightning checkpoint. "
+                "Pass a file written by Trainer.fit (ModelCheckpoint), or ckpt_path=None."
+            )
+        return checkpoint
+
     def load_optimizer_state_dict(self, checkpoint) -> None:
         super().load_optimizer_state_dict(checkpoint)
         # Every rank read the same file; the broadcast also covers a file only rank 0 could read well.
@@ -239,8 +303,7 @@ class HorovodStrategy(ParallelStrategy):
             hvd_optimizer.synchronize()
             return result
 
-        with ExitStack() as stack:
-            stack.enter_context(hvd_optimizer.skip_synchronize())
+        with hvd_optimizer.skip_synchronize():
             return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
 
     # ------------------------------------------------------------------ collectives
@@ -291,6 +354,9 @@ class HorovodStrategy(ParallelStrategy):
             grad_accs = getattr(optimizer, "_grad_accs", None)
             if isinstance(grad_accs, list):
                 grad_accs.clear()
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
         super().teardown()
 
     @classmethod
@@ -324,6 +390,54 @@ class HorovodAdasumStrategy(HorovodStrategy):
     strategy_name = "horovod_adasum"
     reduction = "Adasum"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        validation.check_gradient_predivide_factor(self.gradient_predivide_factor)
+
+    def _validate_environment(self) -> None:
+        super()._validate_environment()
+        hvd = self.hvd
+        if hvd.size() == 1:
+            return  # nothing is reduced
+        validation.check_controller(
+            mpi_built=hvd.mpi_built(), mpi_enabled=hvd.mpi_enabled(), gloo_enabled=hvd.gloo_enabled()
+        )
+        if self.root_device.type == "cuda" and hvd.nccl_built():
+            warning = validation.check_nccl_topology(hvd.size(), hvd.allgather_object(hvd.local_size()))
+            if warning:
+                rank_zero_warn(warning)
+        else:
+            validation.check_world_size(hvd.size())
+
+    def _validate_trainer(self, trainer) -> None:
+        validation.check_precision(self.precision_plugin.precision)
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+        validation.check_gradient_clipping(trainer.gradient_clip_val, algorithm)
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+        if trainer.state.fn == TrainerFn.FITTING and trainer.gradient_clip_val and algorithm == "value":
+            self._clip_values_before_local_step(float(trainer.gradient_clip_val))
+
+    def _clip_values_before_local_step(self, clip_value: float) -> None:
+        """Clamp each gradient to ``[-clip_value, clip_value]`` right before Adasum's local step.
+
+        Horovod's hook (on the gradient accumulator) runs the local step on the last backward pass of a
+        window; a post-accumulate-grad hook runs before it, so the clamp takes effect there. Lightning's
+        own clipping after backward still covers parameters whose step runs inside ``step()`` (the partial
+        window at an epoch's end, parameters without a gradient).
+        """
+        for optimizer in self.optimizers:
+            if not _is_adasum_wrapper(optimizer):
+                continue  # world size 1: Lightning's clipping acts before the step as usual
+            for p in optimizer._requires_update:
+                self._hook_handles.append(
+                    p.register_post_accumulate_grad_hook(
+                        functools.partial(_clamp_on_last_pass, optimizer, clip_value)
+                    )
+                )
+
     def lr_scale_factor(self) -> float:
         """1 on CPU; ``hvd.local_size()`` on GPU with a NCCL build (``lr_scaling="auto"``)."""
         if self.lr_scaling == "auto":
@@ -335,8 +449,34 @@ class HorovodAdasumStrategy(HorovodStrategy):
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         # Horovod's Adasum step() runs the closure (forward + backward, whose hooks already did the local
         # step and started the delta allreduce), then waits and applies the reduced delta. It has no
-        # synchronize() and its skip_synchronize() raises, so the step goes straight through.
-        return ParallelStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
+        # synchronize() and its skip_synchronize() raises, so the step goes straight through. With world
+        # size 1 Horovod returns its averaging wrapper, which takes the averaging path.
+        if _is_adasum_wrapper(getattr(optimizer, "_optimizer", optimizer)):
+            return ParallelStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+
+@contextlib.contextmanager
+def _reported_on_every_rank(rank: int):
+    """Print a refused configuration on this rank at once: when the first rank exits, the launcher kills
+    the others, which could then die before Python prints their traceback."""
+    try:
+        yield
+    except validation.AdasumConfigurationError as err:
+        print(f"AdasumConfigurationError on rank {rank}: {err}", file=sys.stderr, flush=True)
+        raise
+
+
+def _is_adasum_wrapper(optimizer: Optimizer) -> bool:
+    """True for Horovod's ``_DistributedAdasumOptimizer`` (a class Horovod builds at run time)."""
+    return "_starting_models" in vars(optimizer)
+
+
+def _clamp_on_last_pass(optimizer: Optimizer, clip_value: float, param: Tensor) -> None:
+    # Horovod decrements _allreduce_delay[param] in its own hook, after this one: 1 means this backward
+    # pass completes the window and the local step follows right away.
+    if optimizer._allreduce_delay.get(param) == 1 and param.grad is not None:
+        param.grad.clamp_(-clip_value, clip_value)
 
 
 def _mark_step_for_schedulers(optimizer: Optimizer) -> None:

@@ -82,9 +82,8 @@ def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, tmp
         assert res["world_size"] == 4
         assert res["start_lr"] == pytest.approx(0.05 * factor)
         assert res["base_lrs"] == [pytest.approx(0.05 * factor)]
-        assert (
-            res["lrs"] == [pytest.approx(0.05 * factor)] * 8
-        )  # 2 epochs × 4 steps; StepLR steps every 3 epochs
+        # 2 epochs × 4 steps; StepLR halves the rate after each epoch, from the scaled base
+        assert res["lrs"] == [pytest.approx(0.05 * factor)] * 4 + [pytest.approx(0.025 * factor)] * 4
     assert_ranks_identical(ranks, "end")
     assert_disjoint_shards(ranks, n=64, epochs=2)
 

@@ -1,4 +1,7 @@
-"""A small deterministic model and dataset shared by the multi-process workers and the tests."""
+"""Small deterministic models and data shared by the multi-process workers and the tests."""
+
+import os
+import signal
 
 import pytorch_lightning as pl
 import torch
@@ -27,7 +30,11 @@ def tiny_net() -> nn.Module:
 
 
 class TinyModule(pl.LightningModule):
-    """Records what each rank saw: start/end parameters, learning rates, sample indices, first batch."""
+    """Records what each rank saw: start/end parameters, learning rates, sample indices, first batches.
+
+    ``loss_scale`` multiplies the loss; ``zero_loss_rank`` zeroes that rank's loss (its update is all
+    zeros); ``kill_rank``/``kill_at_step`` SIGKILL that rank at that global step.
+    """
 
     def __init__(
         self,
@@ -37,12 +44,18 @@ class TinyModule(pl.LightningModule):
         batch_size: int = 4,
         scheduler: str = "none",
         optimizer: str = "sgd",
+        loss_scale: float = 1.0,
+        zero_loss_rank: int = -1,
+        kill_rank: int = -1,
+        kill_at_step: int = -1,
     ) -> None:
         super().__init__()
         self.net = tiny_net()
         self.lr, self.momentum, self.n, self.batch_size = lr, momentum, n, batch_size
         self.scheduler, self.optimizer_name = scheduler, optimizer
-        self.record = {"indices": [], "batches": [], "lrs": []}
+        self.loss_scale, self.zero_loss_rank = loss_scale, zero_loss_rank
+        self.kill_rank, self.kill_at_step = kill_rank, kill_at_step
+        self.record = {"indices": [], "batches": [], "lrs": [], "epoch_start_delays": []}
 
     def forward(self, x):
         return self.net(x)
@@ -53,7 +66,11 @@ class TinyModule(pl.LightningModule):
         if len(self.record["batches"]) < 4:
             self.record["batches"].append((x.clone(), y.clone()))
         self.record["lrs"].append(self.trainer.optimizers[0].param_groups[0]["lr"])
-        loss = F.cross_entropy(self(x), y)
+        if self.global_rank == self.kill_rank and self.global_step == self.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # a rank dying mid-training
+        loss = F.cross_entropy(self(x), y) * self.loss_scale
+        if self.global_rank == self.zero_loss_rank:
+            loss = loss * 0.0  # this rank's update is all zeros
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -70,6 +87,15 @@ class TinyModule(pl.LightningModule):
             for k, s in opt.state_dict()["state"].items()
         }
 
+    def on_train_epoch_start(self):
+        # Horovod's per-parameter countdown of backward passes and its pending handles: a window left
+        # over from the previous epoch would show here.
+        opt = self.trainer.optimizers[0]
+        delays = getattr(opt, "_allreduce_delay", None)
+        self.record["epoch_start_delays"].append(
+            (sorted(set(delays.values())), len(opt._handles)) if delays is not None else None
+        )
+
     def train_dataloader(self):
         return DataLoader(IndexedData(self.n), batch_size=self.batch_size, shuffle=False)
 
@@ -81,9 +107,58 @@ class TinyModule(pl.LightningModule):
         if self.scheduler == "step":
             return {
                 "optimizer": opt,
-                "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
             }
         if self.scheduler == "onecycle":
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=10_000)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
         return opt
+
+
+class FrozenBranchModule(TinyModule):
+    """Adds a frozen layer (requires_grad=False) and a branch used only by batches whose first feature
+    has a positive mean: on some steps, and on some ranks only, the branch gets no gradient."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.branch = nn.Linear(8, 4)
+        self.record["branch_used"] = []
+
+    def forward(self, x):
+        h = self.frozen(x)
+        out = self.net(h)
+        used = bool(x[:, 0].mean() > 0)
+        self.record["branch_used"].append(used)
+        return out + self.branch(h) if used else out
+
+
+class TwoOptimizerModule(TinyModule):
+    """Manual optimisation with two optimizers over disjoint parameters (``net``: SGD, ``head``: Adam)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.head = nn.Linear(8, 4)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.record["indices"] += idx.tolist()
+        self.record["lrs"].append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        for opt, module in zip(self.optimizers(), (self.net, self.head), strict=True):
+            self.toggle_optimizer(opt)
+            loss = F.cross_entropy(module(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            self.untoggle_optimizer(opt)
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.SGD(self.net.parameters(), lr=self.lr, momentum=self.momentum),
+            torch.optim.Adam(self.head.parameters(), lr=0.01),
+        )
+
+
+MODULES = {"tiny": TinyModule, "frozen_branch": FrozenBranchModule, "two_optimizers": TwoOptimizerModule}

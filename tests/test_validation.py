@@ -1,0 +1,238 @@
+"""The setup rules (adasum_lightning.validation) as pure functions, and as Trainer.fit refuses them."""
+
+import subprocess
+import sys
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import WORKERS, mpi_env
+
+from adasum_lightning import HorovodAdasumStrategy, HorovodStrategy
+from adasum_lightning.ops import is_power_of_two
+from adasum_lightning.validation import (
+    AdasumConfigurationError,
+    check_controller,
+    check_cpu_operations,
+    check_gradient_clipping,
+    check_gradient_predivide_factor,
+    check_nccl_topology,
+    check_precision,
+    check_single_device,
+    check_world_size,
+    nearest_powers_of_two,
+)
+
+sys.path.insert(0, str(WORKERS))
+from tiny import TinyModule  # noqa: E402
+
+
+@pytest.mark.parametrize("size", range(1, 70))
+def test_world_size_rule(size):
+    if is_power_of_two(size):
+        check_world_size(size)
+        return
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_world_size(size)
+    lower = 1 << (size.bit_length() - 1)
+    assert f"power of 2 (1, 2, 4, 8, …) for Adasum over MPI; this job has {size} processes" in str(info.value)
+    assert f"Launch {lower} or {2 * lower} processes" in str(info.value)
+
+
+def test_nearest_powers_of_two():
+    assert [nearest_powers_of_two(n) for n in (1, 2, 3, 5, 8, 12, 33)] == [
+        [1],
+        [2],
+        [2, 4],
+        [4, 8],
+        [8],
+        [8, 16],
+        [32, 64],
+    ]
+
+
+@pytest.mark.parametrize("nodes", range(1, 10))
+@pytest.mark.parametrize("local", range(1, 9))
+def test_nccl_topology_rule_homogeneous(nodes, local):
+    size = nodes * local
+    if not is_power_of_two(local):
+        with pytest.raises(
+            AdasumConfigurationError, match=f"power-of-2 number of processes per node; found {local}"
+        ):
+            check_nccl_topology(size, [local] * size)
+    elif not is_power_of_two(nodes):
+        with pytest.raises(
+            AdasumConfigurationError, match=f"power-of-2 number of nodes; found {nodes} nodes"
+        ):
+            check_nccl_topology(size, [local] * size)
+    elif nodes == 1 and local > 1:
+        warning = check_nccl_topology(size, [local] * size)
+        assert f"averages its {local} GPUs' updates; the learning rate is multiplied by {local}" in warning
+    else:
+        assert check_nccl_topology(size, [local] * size) is None
+
+
+@pytest.mark.parametrize("local_sizes", [[4, 4, 4, 4, 2, 2], [2, 2, 1], [4] * 4 + [4] * 3 + [3]])
+def test_nccl_topology_rule_heterogeneous(local_sizes):
+    with pytest.raises(AdasumConfigurationError, match="same number of processes on every node; found"):
+        check_nccl_topology(len(local_sizes), local_sizes)
+
+
+@pytest.mark.parametrize(
+    ("mpi_built", "mpi_enabled", "gloo_enabled", "message"),
+    [
+        (True, True, False, None),
+        (False, False, True, "Horovod built with MPI"),
+        (True, False, True, "needs the MPI controller, but this job runs under Gloo"),
+        (True, False, False, "needs the MPI controller"),
+    ],
+)
+def test_controller_rule(mpi_built, mpi_enabled, gloo_enabled, message):
+    kwargs = dict(mpi_built=mpi_built, mpi_enabled=mpi_enabled, gloo_enabled=gloo_enabled)
+    if message is None:
+        check_controller(**kwargs)
+    else:
+        with pytest.raises(AdasumConfigurationError, match=message):
+            check_controller(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("mpi_enabled", "cpu_ops", "refused"),
+    [
+        (True, None, False),
+        (True, "mpi", False),
+        (True, "gloo", True),
+        (True, " Gloo ", True),
+        (False, "gloo", False),
+    ],
+)
+def test_cpu_operations_rule(mpi_enabled, cpu_ops, refused):
+    if not refused:
+        check_cpu_operations(mpi_enabled=mpi_enabled, cpu_operations=cpu_ops)
+        return
+    with pytest.raises(
+        AdasumConfigurationError, match="HOROVOD_CPU_OPERATIONS=gloo under the MPI controller"
+    ):
+        check_cpu_operations(mpi_enabled=mpi_enabled, cpu_operations=cpu_ops)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "64-true", "bf16-mixed", "bf16-true", "16-true"])
+def test_precision_rule_accepts(precision):
+    check_precision(precision)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16"])
+def test_precision_rule_refuses_fp16_mixed(precision):
+    with pytest.raises(
+        AdasumConfigurationError, match="cannot use precision='16-mixed': its gradient scaler"
+    ):
+        check_precision(precision)
+
+
+def test_clipping_rule():
+    check_gradient_clipping(None, None)
+    check_gradient_clipping(0, "norm")
+    check_gradient_clipping(0.5, "value")
+    for algorithm in (None, "norm"):  # Lightning's default algorithm is norm
+        with pytest.raises(
+            AdasumConfigurationError, match=r"cannot clip gradients by norm \(gradient_clip_val=0.5\)"
+        ):
+            check_gradient_clipping(0.5, algorithm)
+
+
+def test_predivide_rule_and_strategy_construction():
+    check_gradient_predivide_factor(1.0)
+    with pytest.raises(AdasumConfigurationError, match="cannot use gradient_predivide_factor=2.0"):
+        check_gradient_predivide_factor(2.0)
+    with pytest.raises(AdasumConfigurationError, match="gradient_predivide_factor=0.5"):
+        HorovodAdasumStrategy(gradient_predivide_factor=0.5)
+    assert (
+        HorovodStrategy(gradient_predivide_factor=2.0).gradient_predivide_factor == 2.0
+    )  # fine when averaging
+
+
+def test_single_device_rule():
+    check_single_device([torch.zeros(2), torch.ones(3)])
+    with pytest.raises(AdasumConfigurationError, match=r"parameters span \['cpu', 'meta'\]"):
+        check_single_device([torch.zeros(2), torch.zeros(2, device="meta")])
+
+
+def test_horovod_missing_names_make_setup():
+    code = (
+        "import sys; sys.modules['horovod.torch'] = None\n"
+        "from adasum_lightning.strategy import import_horovod\n"
+        "try:\n    import_horovod()\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=mpi_env()
+    )
+    assert "Horovod with PyTorch support is not importable" in out.stdout
+    assert "with `make setup`" in out.stdout
+
+
+def _fit(model, **trainer_kwargs):
+    trainer = pl.Trainer(
+        strategy=trainer_kwargs.pop("strategy", "horovod_adasum"),
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(model)
+    return trainer
+
+
+def test_fit_refuses_norm_clipping_before_any_step():
+    model = TinyModule()
+    with pytest.raises(AdasumConfigurationError, match="cannot clip gradients by norm"):
+        _fit(model, gradient_clip_val=1.0)
+    assert model.record["indices"] == []  # no training step ran
+
+
+def test_fit_refuses_fp16_mixed_before_any_step():
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    model = TinyModule()
+    plugin = MixedPrecision(precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(AdasumConfigurationError, match="cannot use precision='16-mixed'"):
+        _fit(model, plugins=[plugin])
+    assert model.record["indices"] == []
+
+
+def test_averaging_strategy_keeps_norm_clipping():
+    trainer = _fit(TinyModule(), strategy="horovod", gradient_clip_val=1.0)
+    assert trainer.global_step == 2
+
+
+def test_missing_checkpoint_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"does not exist on rank 0\. Pass the path of a checkpoint"):
+        pl.Trainer(strategy="horovod_adasum", accelerator="cpu", logger=False, enable_progress_bar=False).fit(
+            TinyModule(), ckpt_path=str(tmp_path / "nope.ckpt")
+        )
+
+
+@pytest.mark.parametrize("content", [b"garbage", b""])
+def test_corrupt_checkpoint_names_the_fix(tmp_path, content):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(content)
+    model = TinyModule()
+    with pytest.raises(
+        RuntimeError, match=r"could not be read on rank 0 .*truncated, corrupt or not a Lightning"
+    ):
+        pl.Trainer(strategy="horovod_adasum", accelerator="cpu", logger=False, enable_progress_bar=False).fit(
+            model, ckpt_path=str(bad)
+        )
+    assert model.record["indices"] == []
+
+
+def test_checkpoint_without_state_dict_is_refused(tmp_path):
+    other = tmp_path / "weights.pt"
+    torch.save({"weights": torch.ones(2)}, other)
+    with pytest.raises(RuntimeError, match="holds no 'state_dict': it is not a Lightning checkpoint"):
+        pl.Trainer(strategy="horovod_adasum", accelerator="cpu", logger=False, enable_progress_bar=False).fit(
+            TinyModule(), ckpt_path=str(other)
+        )

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import torchmetrics
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
@@ -193,6 +194,28 @@ def _writable(path: Path) -> bool:
     return os.access(probe, os.W_OK) and bool(probe.stat().st_mode & 0o222)
 
 
+def default_logger(save_dir: str):
+    """A CSVLogger under ``save_dir``; with ``MLFLOW_TRACKING_URI`` set (Azure ML jobs set it, and
+    ``MLFLOW_RUN_ID``) also Lightning's MLFlowLogger, which logs from rank 0 only, to that run. Without the
+    ``mlflow`` package the MLflow logger is skipped with a warning."""
+    csv = CSVLogger(save_dir=save_dir)
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return csv
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    try:
+        mlflow = MLFlowLogger(
+            experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", "lightning_logs"),
+            tracking_uri=uri,
+            run_id=os.environ.get("MLFLOW_RUN_ID"),
+        )
+    except ModuleNotFoundError as err:
+        rank_zero_warn(f"MLFLOW_TRACKING_URI is set but MLflow logging is off: {err}")
+        return csv
+    return [csv, mlflow]
+
+
 class MNISTCLI(LightningCLI):
     """LightningCLI with the seed's defaults: seed 42, a CSV logger under ``default_root_dir``, and a last
     line ``val_acc=<fraction>`` on rank 0 after ``fit``."""
@@ -205,7 +228,7 @@ class MNISTCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         if config["trainer"].get("logger") in (None, True):
-            kwargs["logger"] = CSVLogger(save_dir=config["trainer"].get("default_root_dir") or os.getcwd())
+            kwargs["logger"] = default_logger(config["trainer"].get("default_root_dir") or os.getcwd())
         return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:

@@ -1,0 +1,173 @@
+"""SDK v2 backend (``azure-ai-ml`` + ``azure-identity``): ``command(...)`` with ``MpiDistribution``.
+
+Install with ``pip install 'adasum-lightning[aml-v2]'``. Building the job works offline; only
+:func:`connect`, :func:`get_or_create_cluster` and :func:`submit` talk to Azure.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+
+from adasum_lightning.aml.job import (
+    ENVIRONMENT_NAME,
+    IDLE_SECONDS_BEFORE_SCALEDOWN,
+    AmlJob,
+    AmlSubmitError,
+    AmlUsageError,
+)
+from adasum_lightning.aml.staging import StagedJob
+from adasum_lightning.aml.workspace import WorkspaceConfig, check_network, redact
+
+SHM_SIZE = "16g"
+
+
+def build_environment(job: AmlJob, staged: StagedJob):
+    """The job's ``azure.ai.ml.entities.Environment``, built by Azure ML from the staged Docker build
+    context (uploaded with the job)."""
+    from azure.ai.ml.entities import BuildContext, Environment
+
+    return Environment(
+        name=ENVIRONMENT_NAME,
+        description=(
+            f"OpenMPI + CUDA ({job.base_image}), torch, Horovod with NCCL (patches/build_horovod.sh --gpu)"
+        ),
+        build=BuildContext(path=str(staged.context_dir), dockerfile_path="Dockerfile"),
+    )
+
+
+def build(job: AmlJob, staged: StagedJob):
+    """The job as an ``azure.ai.ml.entities.CommandJob`` made by ``azure.ai.ml.command``:
+    ``job.node_count`` instances × ``MpiDistribution(process_count_per_instance=job.process_count_per_node)``
+    on the cluster ``job.compute_name``, code = the staged snapshot."""
+    from azure.ai.ml import MpiDistribution, command
+
+    node = command(
+        code=str(staged.code_dir),
+        command=job.command_line(),
+        environment=build_environment(job, staged),
+        environment_variables=dict(job.environment_variables),
+        compute=job.compute_name,
+        instance_count=job.node_count,
+        distribution=MpiDistribution(process_count_per_instance=job.process_count_per_node),
+        shm_size=SHM_SIZE,
+        experiment_name=job.experiment_name,
+        display_name=f"mnist-adasum-{job.node_count}x{job.process_count_per_node}",
+        tags={"vm_size": job.vm_size, "world_size": str(job.world_size)},
+    )
+    # The standalone job (not the pipeline-node form of the builder): what jobs.create_or_update submits.
+    return node._to_job()
+
+
+def render(job_entity) -> str:
+    """The job as Azure ML job YAML (``azure.ai.ml.load_job`` reads it back); what ``--dry-run --sdk v2``
+    prints."""
+    stream = io.StringIO()
+    job_entity.dump(stream)
+    return stream.getvalue()
+
+
+def connect(config: WorkspaceConfig, *, credential_factory: Callable | None = None):
+    """An ``azure.ai.ml.MLClient`` for the workspace in ``config``.
+
+    The network is checked first (:func:`.workspace.check_network`), so an offline machine fails in seconds
+    before a credential exists. The default credential is ``DefaultAzureCredential`` without its
+    interactive browser step (environment, workload/managed identity, Azure CLI, …).
+
+    Raises:
+        AmlSubmitError: no network.
+    """
+    check_network()
+    from azure.ai.ml import MLClient
+
+    if credential_factory is None:
+        from azure.identity import DefaultAzureCredential
+
+        def credential_factory():
+            return DefaultAzureCredential(exclude_interactive_browser_credential=True)
+
+    return MLClient(
+        credential_factory(),
+        subscription_id=config.subscription_id,
+        resource_group_name=config.resource_group,
+        workspace_name=config.workspace_name,
+    )
+
+
+def get_or_create_cluster(client, job: AmlJob):
+    """The AmlCompute cluster ``job.compute_name`` of workspace ``client``, created (``job.vm_size``,
+    ``job.min_nodes``–``job.max_nodes`` instances, scale-down after :data:`IDLE_SECONDS_BEFORE_SCALEDOWN` s)
+    when absent.
+
+    Raises:
+        AmlUsageError: the name is taken by a cluster of another VM size or too small a maximum.
+    """
+    from azure.ai.ml.entities import AmlCompute
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        existing = client.compute.get(job.compute_name)
+    except ResourceNotFoundError:
+        existing = None
+    if existing is not None:
+        size = str(getattr(existing, "size", "") or "")
+        if size and size.lower() != job.vm_size.lower():
+            raise AmlUsageError(
+                f"the cluster {job.compute_name} exists with VM size {size}, not {job.vm_size}. Pass "
+                f"--vm-size {size}, or --cluster NEW_NAME to create a {job.vm_size} cluster"
+            )
+        max_instances = getattr(existing, "max_instances", None)
+        if isinstance(max_instances, int) and max_instances < job.node_count:
+            raise AmlUsageError(
+                f"the cluster {job.compute_name} scales to {max_instances} nodes, fewer than --nodes "
+                f"{job.node_count}. Raise its maximum in Azure ML studio, or pass --nodes {max_instances} or "
+                "a new --cluster name"
+            )
+        print(f"[adasum-aml] using the existing cluster {job.compute_name} ({size})", flush=True)
+        return existing
+    print(
+        f"[adasum-aml] creating the cluster {job.compute_name}: {job.vm_size}, "
+        f"{job.min_nodes}–{job.max_nodes} nodes",
+        flush=True,
+    )
+    cluster = AmlCompute(
+        name=job.compute_name,
+        size=job.vm_size,
+        min_instances=job.min_nodes,
+        max_instances=job.max_nodes,
+        idle_time_before_scale_down=IDLE_SECONDS_BEFORE_SCALEDOWN,
+    )
+    return client.compute.begin_create_or_update(cluster).result()
+
+
+def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=None):
+    """Submit ``job`` with ``client.jobs.create_or_update`` after getting or creating its cluster.
+
+    Args:
+        job, staged, config: what to run, its staged folders, where.
+        client: an ``azure.ai.ml.MLClient`` (default: :func:`connect` to ``config``).
+
+    Returns:
+        The created job entity; its studio URL is printed.
+
+    Raises:
+        AmlSubmitError: no network; authentication or Azure errors (redacted; names ``az login``).
+        AmlUsageError: see :func:`get_or_create_cluster`.
+    """
+    from azure.core.exceptions import ClientAuthenticationError
+
+    client = client if client is not None else connect(config)
+    try:
+        get_or_create_cluster(client, job)
+        created = client.jobs.create_or_update(build(job, staged), experiment_name=job.experiment_name)
+    except AmlUsageError:
+        raise
+    except ClientAuthenticationError as err:
+        raise AmlSubmitError(
+            f"Azure authentication failed: {redact(str(err).splitlines()[0] if str(err) else '')}. Log in "
+            "with `az login`, or set AZURE_TENANT_ID, AZURE_CLIENT_ID and AZURE_CLIENT_SECRET"
+        ) from err
+    except Exception as err:
+        raise AmlSubmitError(f"SDK v2 submission failed: {redact(str(err))}") from err
+    print(f"[adasum-aml] submitted job {created.name}: {created.studio_url}", flush=True)
+    return created

@@ -1,0 +1,179 @@
+"""Which Azure ML workspace to use (the config file), and the offline checks made before any SDK call.
+
+The config file is the seed's ``config_aml.json`` or Azure ML's standard ``config.json`` (downloaded from
+the workspace's overview page): a JSON object with ``subscription_id``, ``resource_group`` and
+``workspace_name``. A ``Scope`` entry (an ARM workspace id) is accepted in place of the three keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+from adasum_lightning.aml.job import AmlSubmitError, AmlUsageError
+
+#: Files tried, in order, when no ``--config`` is given (the seed's name, then Azure ML's own locations).
+DEFAULT_CONFIG_FILES = ("config_aml.json", "config.json", ".azureml/config.json")
+REQUIRED_KEYS = ("subscription_id", "resource_group", "workspace_name")
+_GUID_RE = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+_SCOPE_RE = re.compile(
+    r"^/subscriptions/(?P<subscription_id>[^/]+)/resourceGroups/(?P<resource_group>[^/]+)"
+    r"/providers/Microsoft\.MachineLearningServices/workspaces/(?P<workspace_name>[^/]+)/?$",
+    re.I,
+)
+_EXAMPLE = '{"subscription_id": "<GUID>", "resource_group": "<group>", "workspace_name": "<workspace>"}'
+
+#: Azure Resource Manager endpoint both SDKs talk to first.
+ARM_HOST = "management.azure.com"
+
+
+@dataclass(frozen=True)
+class WorkspaceConfig:
+    """An Azure ML workspace address (no credentials: those come from the Azure CLI login or environment).
+
+    Attributes:
+        subscription_id: Azure subscription GUID.
+        resource_group: resource group holding the workspace.
+        workspace_name: Azure ML workspace name.
+        source: the file it was read from.
+    """
+
+    subscription_id: str
+    resource_group: str
+    workspace_name: str
+    source: str = ""
+
+
+def find_config_file(start: str | os.PathLike | None = None) -> Path:
+    """The first of :data:`DEFAULT_CONFIG_FILES` present in ``start`` (default: the working directory).
+
+    Raises:
+        AmlUsageError: none exists (says how to create one or pass ``--config``).
+    """
+    base = Path(start or os.getcwd())
+    for name in DEFAULT_CONFIG_FILES:
+        if (base / name).is_file():
+            return base / name
+    raise AmlUsageError(
+        f"no workspace config file: none of {', '.join(DEFAULT_CONFIG_FILES)} in {base}. Download "
+        "config.json from your workspace's overview page in Azure ML studio, or write config_aml.json as "
+        f"{_EXAMPLE}, and pass it with --config PATH"
+    )
+
+
+def load_workspace_config(path: str | os.PathLike | None = None) -> WorkspaceConfig:
+    """Read and validate a workspace config file (see the module docstring for the format).
+
+    Args:
+        path: the file; ``None`` searches :data:`DEFAULT_CONFIG_FILES` in the working directory.
+
+    Raises:
+        AmlUsageError: the file is missing or unreadable, is not a JSON object, lacks a key, has an empty or
+            non-string value, or a subscription id that is not a GUID. The message names the file and fix.
+    """
+    file = Path(path) if path is not None else find_config_file()
+    if not file.is_file():
+        raise AmlUsageError(
+            f"workspace config file {file} does not exist. Create it as {_EXAMPLE} "
+            "(or download config.json from Azure ML studio) and pass --config PATH"
+        )
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise AmlUsageError(f"cannot read workspace config file {file}: {err}. Fix its permissions") from err
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise AmlUsageError(
+            f"workspace config file {file} is not valid JSON ({err.msg} at line {err.lineno}, column "
+            f"{err.colno}). It must be a JSON object like {_EXAMPLE}"
+        ) from err
+    if not isinstance(data, dict):
+        raise AmlUsageError(
+            f"workspace config file {file} holds a JSON {type(data).__name__}, not an object like {_EXAMPLE}"
+        )
+    if not all(k in data for k in REQUIRED_KEYS) and isinstance(data.get("Scope"), str):
+        match = _SCOPE_RE.match(data["Scope"].strip())
+        if not match:
+            raise AmlUsageError(
+                f"workspace config file {file}: 'Scope' is not an Azure ML workspace id "
+                "(/subscriptions/<GUID>/resourceGroups/<group>/providers/"
+                "Microsoft.MachineLearningServices/workspaces/<name>). Fix it or use the three keys "
+                + ", ".join(REQUIRED_KEYS)
+            )
+        data = {**match.groupdict(), **{k: v for k, v in data.items() if k in REQUIRED_KEYS}}
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise AmlUsageError(
+            f"workspace config file {file} lacks {', '.join(repr(k) for k in missing)}. "
+            f"Add {'it' if len(missing) == 1 else 'them'}: the file must look like {_EXAMPLE}"
+        )
+    for key in REQUIRED_KEYS:
+        value = data[key]
+        if not isinstance(value, str) or not value.strip():
+            raise AmlUsageError(
+                f"workspace config file {file}: {key!r} must be a non-empty string, got {value!r}. Fix it"
+            )
+    subscription_id = data["subscription_id"].strip()
+    if not _GUID_RE.match(subscription_id):
+        raise AmlUsageError(
+            f"workspace config file {file}: subscription_id {subscription_id!r} is not a GUID "
+            "(xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx). Copy it from the Azure portal (Subscriptions) "
+            "or `az account show --query id`"
+        )
+    return WorkspaceConfig(
+        subscription_id, data["resource_group"].strip(), data["workspace_name"].strip(), str(file)
+    )
+
+
+def check_network(host: str = ARM_HOST, port: int = 443, timeout: float = 5.0) -> None:
+    """Fail fast when Azure cannot be reached, before any credential or SDK client is created.
+
+    Opens (and closes) one TCP connection to ``host:port``, or to the proxy named by ``HTTPS_PROXY`` /
+    ``https_proxy`` when one is set (the SDKs go through it).
+
+    Args:
+        host: Azure endpoint (default: Azure Resource Manager).
+        port: TCP port.
+        timeout: seconds before giving up on the connection.
+
+    Raises:
+        AmlSubmitError: no connection within ``timeout`` seconds (the message says what was tried; it never
+            includes proxy credentials).
+    """
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target, target_port, via = host, port, ""
+    if proxy:
+        parsed = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        if parsed.hostname:
+            target, target_port = parsed.hostname, parsed.port or 8080
+            via = f" through the proxy {target}:{target_port}"
+    try:
+        with socket.create_connection((target, target_port), timeout=timeout):
+            pass
+    except OSError as err:
+        raise AmlSubmitError(
+            f"cannot reach {host}:{port}{via} ({type(err).__name__}: {err}). Submitting needs network access "
+            "to Azure: check the connection or proxy, or use --dry-run (offline) or --local N"
+        ) from err
+
+
+_SECRET_ENV = ("AZURE_CLIENT_SECRET", "AZURE_CLIENT_CERTIFICATE_PASSWORD", "AZURE_PASSWORD", "AZUREML_TOKEN")
+_JWT_RE = re.compile(r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*")
+_KEYVAL_RE = re.compile(r"(?i)((?:secret|password|token|sig|key)[\"']?\s*[=:]\s*[\"']?)[^\s\"'&,;]+")
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials removed: values of secret environment variables, JWT bearer tokens,
+    and ``secret=…``/``token: …``/``sig=…``-style values become ``***``."""
+    for name in _SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    text = _JWT_RE.sub("***", text)
+    return _KEYVAL_RE.sub(r"\1***", text)

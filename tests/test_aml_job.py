@@ -1,0 +1,296 @@
+"""Azure ML launcher, without any SDK object: the job description, the config file, the CLI's bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from aml_support import no_network  # noqa: F401  (fixture)
+from conftest import ROOT
+
+from adasum_lightning.aml import cli
+from adasum_lightning.aml.job import (
+    DEFAULT_TRAINING_ARGS,
+    AmlJob,
+    AmlSubmitError,
+    AmlUsageError,
+    lookup_vm_size,
+)
+from adasum_lightning.aml.workspace import check_network, find_config_file, load_workspace_config, redact
+
+pytestmark = pytest.mark.usefixtures("no_network")
+
+SUB = "0a1b2c3d-4e5f-6789-abcd-ef0123456789"
+SEED_CONFIG = {"subscription_id": SUB, "resource_group": "rg-adasum", "workspace_name": "ws-adasum"}
+
+
+def write(path, content):
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+# -- the job description -------------------------------------------------------------------------------
+def test_defaults_keep_the_seed_topology_on_a_current_vm_size():
+    job = AmlJob()
+    assert (job.node_count, job.process_count_per_node, job.world_size) == (8, 4, 32)
+    assert (job.min_nodes, job.max_nodes) == (0, 8)
+    assert job.vm_size == "Standard_NC64as_T4_v3" and lookup_vm_size(job.vm_size).gpus == 4
+    assert job.base_image == "nvidia/cuda:13.0.0-devel-ubuntu22.04"
+    assert dict(job.environment_variables) == {
+        "OMP_NUM_THREADS": "1",
+        "NCCL_DEBUG": "WARN",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = job.training_command()
+    assert cmd[:3] == ["python", "mnist.py", "fit"]
+    for arg in ("--trainer.strategy=horovod_adasum", "--trainer.devices=1", "--trainer.accelerator=gpu"):
+        assert arg in cmd
+    assert "--data.data_dir=data" in cmd  # downloaded on each node
+
+
+def test_training_args_come_last_and_are_quoted():
+    job = AmlJob(
+        training_args=["--trainer.max_epochs=2", "--model.lr=0.02", "--trainer.default_root_dir=a b"]
+    )
+    assert job.training_command()[-3:] == [
+        "--trainer.max_epochs=2",
+        "--model.lr=0.02",
+        "--trainer.default_root_dir=a b",
+    ]
+    assert job.training_command()[3 : 3 + len(DEFAULT_TRAINING_ARGS) - 1] == list(DEFAULT_TRAINING_ARGS[1:])
+    assert job.command_line().endswith("--model.lr=0.02 '--trainer.default_root_dir=a b'")
+
+
+def test_vm_size_is_case_insensitive_and_canonicalised():
+    assert AmlJob(vm_size="standard_nc96ads_a100_v4").vm_size == "Standard_NC96ads_A100_v4"
+
+
+@pytest.mark.parametrize(
+    "size, when",
+    [("Standard_NC24", "2023-08-31"), ("Standard_NC24s_v3", "2025-09-30"), ("standard_nd24s", "2023-08-31")],
+)
+def test_retired_vm_sizes_are_refused_with_the_reason(size, when):
+    with pytest.raises(AmlUsageError, match=rf"retired by Azure on {when}.*--vm-size Standard_NC64as_T4_v3"):
+        AmlJob(vm_size=size)
+
+
+def test_unknown_vm_size_lists_current_ones():
+    with pytest.raises(AmlUsageError, match=r"unknown VM size 'Standard_XYZ'.*Standard_NC96ads_A100_v4"):
+        AmlJob(vm_size="Standard_XYZ")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"node_count": 6}, r"node_count=6 is not a power of 2.*--nodes 4 or --nodes 8"),
+        (
+            {"process_count_per_node": 3},
+            r"process_count_per_node=3 is not a power of 2.*--gpus-per-node 2 or",
+        ),
+        ({"node_count": 0}, r"node_count must be a positive integer, got 0"),
+        ({"node_count": -4}, r"node_count must be a positive integer, got -4"),
+        ({"node_count": True}, r"node_count must be a positive integer, got True"),
+        ({"process_count_per_node": 2.0}, r"process_count_per_node must be a positive integer, got 2.0"),
+        ({"vm_size": "Standard_NC24ads_A100_v4"}, r"has 1 GPU\(s\).*--gpus-per-node 1"),
+        ({"max_nodes": 4}, r"max_nodes must be an integer ≥ node_count \(8\), got 4"),
+        ({"min_nodes": -1}, r"min_nodes must be an integer ≥ 0"),
+        ({"min_nodes": 9}, r"min_nodes 9 exceeds max_nodes 8"),
+        ({"compute_name": "9cluster"}, r"cluster name '9cluster' is invalid.*--cluster"),
+        ({"compute_name": "a-very-long-cluster-name"}, r"2–16 characters"),
+        ({"experiment_name": "my experiment"}, r"experiment name 'my experiment' is invalid.*--experiment"),
+        ({"environment_variables": {"AZURE_CLIENT_SECRET": "x"}}, r"looks like a secret"),
+        ({"environment_variables": {"STORAGE_KEY": "x"}}, r"looks like a secret"),
+        ({"environment_variables": {"1BAD": "x"}}, r"environment variable name '1BAD' is invalid"),
+        ({"base_image": "two words"}, r"--base-image"),
+    ],
+)
+def test_invalid_jobs_are_refused_with_the_fix(kwargs, message):
+    with pytest.raises(AmlUsageError, match=message):
+        AmlJob(**kwargs)
+
+
+def test_extra_environment_variables_merge_over_the_defaults():
+    job = AmlJob(environment_variables={"NCCL_DEBUG": "INFO", "HOROVOD_LOG_LEVEL": "debug"})
+    assert dict(job.environment_variables) == {
+        "OMP_NUM_THREADS": "1",
+        "NCCL_DEBUG": "INFO",
+        "PYTHONUNBUFFERED": "1",
+        "HOROVOD_LOG_LEVEL": "debug",
+    }
+
+
+# -- the workspace config file ------------------------------------------------------------------------
+def test_seed_config_file(tmp_path):
+    cfg = load_workspace_config(write(tmp_path / "config_aml.json", SEED_CONFIG))
+    assert (cfg.subscription_id, cfg.resource_group, cfg.workspace_name) == (SUB, "rg-adasum", "ws-adasum")
+    assert cfg.source == str(tmp_path / "config_aml.json")
+
+
+def test_standard_config_json_with_extra_keys_and_scope(tmp_path):
+    cfg = load_workspace_config(write(tmp_path / "config.json", {**SEED_CONFIG, "friendly_name": "x"}))
+    assert cfg.workspace_name == "ws-adasum"
+    scope = (
+        f"/subscriptions/{SUB}/resourceGroups/rg2/providers/Microsoft.MachineLearningServices/workspaces/ws2"
+    )
+    cfg = load_workspace_config(write(tmp_path / "scope.json", {"Scope": scope}))
+    assert (cfg.subscription_id, cfg.resource_group, cfg.workspace_name) == (SUB, "rg2", "ws2")
+
+
+def test_default_config_search_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        AmlUsageError, match=r"no workspace config file: none of config_aml.json, config.json"
+    ):
+        find_config_file()
+    write(tmp_path / "config.json", SEED_CONFIG)
+    assert find_config_file() == tmp_path / "config.json"
+    write(tmp_path / "config_aml.json", SEED_CONFIG)
+    assert find_config_file() == tmp_path / "config_aml.json"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, r"does not exist\. Create it as"),
+        ('{"subscription_id": "x",', r"is not valid JSON \(.* at line 1, column"),
+        ("[1, 2]", r"holds a JSON list, not an object"),
+        ({"subscription_id": SUB}, r"lacks 'resource_group', 'workspace_name'\. Add them"),
+        ({**SEED_CONFIG, "workspace_name": ""}, r"'workspace_name' must be a non-empty string"),
+        ({**SEED_CONFIG, "resource_group": 7}, r"'resource_group' must be a non-empty string, got 7"),
+        ({**SEED_CONFIG, "subscription_id": "my-sub"}, r"subscription_id 'my-sub' is not a GUID"),
+        ({"Scope": "/subscriptions/x"}, r"'Scope' is not an Azure ML workspace id"),
+    ],
+)
+def test_bad_config_files(tmp_path, content, message):
+    path = tmp_path / "config_aml.json"
+    if content is not None:
+        write(path, content)
+    with pytest.raises(AmlUsageError, match=message) as info:
+        load_workspace_config(path)
+    assert str(path) in str(info.value)
+
+
+# -- network check and redaction ----------------------------------------------------------------------
+def test_offline_network_check_fails_fast_with_a_clear_message(monkeypatch):
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    start = time.monotonic()
+    with pytest.raises(AmlSubmitError, match=r"cannot reach management\.azure\.com:443 .*--dry-run"):
+        check_network()
+    assert time.monotonic() - start < 5
+
+
+def test_network_check_goes_through_the_proxy_without_showing_its_password(monkeypatch):
+    monkeypatch.setenv("HTTPS_PROXY", "http://user:pw-1234@proxy.example:3128")
+    with pytest.raises(AmlSubmitError) as info:
+        check_network()
+    assert "through the proxy proxy.example:3128" in str(info.value) and "pw-1234" not in str(info.value)
+
+
+def test_redact_removes_secrets(monkeypatch):
+    monkeypatch.setenv("AZURE_CLIENT_SECRET", "s3cr3t-value")
+    text = redact(
+        "client_secret=abc token: eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.sig used s3cr3t-value"
+    )
+    assert "s3cr3t-value" not in text and "eyJhbGci" not in text and "abc" not in text
+    assert redact("node_count 8") == "node_count 8"
+
+
+# -- the command line: bad input exits 2 before any SDK call ------------------------------------------
+@pytest.fixture
+def no_sdk_calls(monkeypatch):
+    """Fail the test if the CLI stages, builds or submits anything."""
+    from adasum_lightning.aml import local, sdk_v1, sdk_v2, staging
+
+    def boom(*args, **kwargs):
+        raise AssertionError("an SDK object was built or submitted after bad input")
+
+    for module, names in ((sdk_v1, ("build", "connect", "submit")), (sdk_v2, ("build", "connect", "submit"))):
+        for name in names:
+            monkeypatch.setattr(module, name, boom)
+    monkeypatch.setattr(staging, "stage_job", boom)
+    monkeypatch.setattr(local, "stage_code", boom)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "6", "--dry-run"], "node_count=6 is not a power of 2"),
+        (["--gpus-per-node", "3", "--dry-run"], "process_count_per_node=3 is not a power of 2"),
+        (["--vm-size", "Standard_NC24", "--dry-run"], "retired by Azure on 2023-08-31"),
+        (["--sdk", "v3", "--dry-run"], "unknown SDK 'v3': use --sdk auto, --sdk v1 or --sdk v2"),
+        (["--config", "missing.json"], "missing.json does not exist"),
+        (["--config", "bad.json", "--dry-run"], "is not valid JSON"),
+        (["--config", "nokeys.json", "--dry-run"], "lacks 'resource_group', 'workspace_name'"),
+        ([], "no workspace config file"),
+        (["--local", "3"], "--local 3: the process count must be a power of 2"),
+        (["--env", "MY_TOKEN=abc", "--dry-run"], "looks like a secret"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_fix(argv, message, tmp_path, monkeypatch, capsys, no_sdk_calls):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "bad.json", "{not json")
+    write(tmp_path / "nokeys.json", {"subscription_id": SUB})
+    assert cli.main(["submit", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("adasum-aml: error: ") and message in err
+    assert "abc" not in err
+
+
+@pytest.mark.parametrize("sdk, extra", [("v1", "aml"), ("v2", "aml-v2")])
+def test_missing_sdk_package_names_the_extra(sdk, extra, monkeypatch, capsys, no_sdk_calls):
+    monkeypatch.setattr(cli, "_installed", lambda module: False)
+    assert cli.main(["submit", "--sdk", sdk, "--dry-run"]) == 2
+    assert f"pip install 'adasum-lightning[{extra}]'" in capsys.readouterr().err
+    assert cli.main(["submit", "--dry-run"]) == 2
+    assert "no Azure ML SDK is installed" in capsys.readouterr().err
+
+
+def test_auto_prefers_v2_and_falls_back_to_v1(monkeypatch):
+    monkeypatch.setattr(cli, "_installed", lambda module: True)
+    assert cli.resolve_sdk("auto") == "v2"
+    monkeypatch.setattr(cli, "_installed", lambda module: module == "azureml.core")
+    assert cli.resolve_sdk("auto") == "v1"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--dry-run", "--local", "2"], ["--nodes", "four"], ["--bogus-option"], ["--env", "NOEQUALS"]],
+)
+def test_argument_errors_exit_2(argv, capsys, no_sdk_calls):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["submit", *argv])
+    assert info.value.code == 2
+    assert re.search(r"^adasum-aml( submit)?: error: ", capsys.readouterr().err, re.M)
+
+
+def test_training_arguments_pass_through():
+    args = cli.parse_args(["submit", "--nodes", "4", "--trainer.max_epochs=2", "--", "--model.lr", "0.02"])
+    job = cli.job_from_args(args)
+    assert job.node_count == 4 and job.max_nodes == 4
+    assert job.training_command()[-3:] == ["--trainer.max_epochs=2", "--model.lr", "0.02"]
+
+
+def test_console_script_and_module_entry_point():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert "adasum-aml = adasum_lightning.aml.cli:main" in cfg["options.entry_points"]["console_scripts"]
+    # Bad input: rejected before any SDK import or network use, by both entry points in fresh interpreters.
+    script = Path(sys.executable).with_name("adasum-aml")
+    for launcher in ([str(script)], [sys.executable, "-m", "adasum_lightning.aml"]):
+        proc = subprocess.run(
+            [*launcher, "submit", "--nodes", "12", "--dry-run"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "node_count=12 is not a power of 2" in proc.stderr and "--nodes 8 or --nodes 16" in proc.stderr

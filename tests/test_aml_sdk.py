@@ -1,0 +1,283 @@
+"""Azure ML launcher with the real SDK objects (azureml-core v1, azure-ai-ml v2), all offline."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from unittest.mock import create_autospec
+
+import pytest
+import yaml
+from aml_support import no_network  # noqa: F401  (fixture)
+from conftest import ROOT
+
+from adasum_lightning.aml import cli, sdk_v1, sdk_v2
+from adasum_lightning.aml.job import AmlJob, AmlSubmitError, AmlUsageError
+from adasum_lightning.aml.staging import TORCH_VERSION, TORCHVISION_VERSION, stage_job
+from adasum_lightning.aml.workspace import WorkspaceConfig
+
+pytestmark = pytest.mark.usefixtures("no_network")
+azureml_core = pytest.importorskip("azureml.core", reason="pip install -e '.[aml]'")
+azure_ai_ml = pytest.importorskip("azure.ai.ml", reason="pip install -e '.[aml-v2]'")
+
+SUB = "0a1b2c3d-4e5f-6789-abcd-ef0123456789"
+CONFIG = WorkspaceConfig(SUB, "rg-adasum", "ws-adasum", "config_aml.json")
+ENV = {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def staged(tmp_path):
+    return stage_job(AmlJob(), tmp_path / "stage")
+
+
+# -- the job environment's build context ---------------------------------------------------------------
+def test_build_context_builds_horovod_with_nccl_after_torch(staged):
+    ctx = staged.context_dir
+    assert sorted(p.name for p in ctx.iterdir()) == ["Dockerfile", "patches", "requirements.txt"]
+    for name in ("build_horovod.sh", "horovod-0.28.1-torch2.patch"):  # the repo's own, byte for byte
+        assert (ctx / "patches" / name).read_bytes() == (ROOT / "patches" / name).read_bytes()
+    assert sorted(p.name for p in (ctx / "patches").iterdir()) == [
+        "build_horovod.sh",
+        "horovod-0.28.1-torch2.patch",
+    ]
+    dockerfile = (ctx / "Dockerfile").read_text()
+    assert "@" not in re.sub(r"#.*", "", dockerfile)  # every placeholder filled
+    assert dockerfile.splitlines()[
+        [i for i, line in enumerate(dockerfile.splitlines()) if line.startswith("FROM")][0]
+    ] == ("FROM nvidia/cuda:13.0.0-devel-ubuntu22.04")
+    torch_at = dockerfile.index(f"pip install torch=={TORCH_VERSION} torchvision=={TORCHVISION_VERSION}")
+    build_at = dockerfile.index("bash /tmp/adasum/patches/build_horovod.sh --gpu")
+    assert torch_at < build_at and "openmpi-bin libopenmpi-dev" in dockerfile
+    assert "hvd.nccl_built()" in dockerfile
+    reqs = (ctx / "requirements.txt").read_text().split()
+    assert "azureml-mlflow" in reqs and any(r.startswith("pytorch-lightning") for r in reqs)
+    assert not any(r.startswith(("torch", "horovod")) and not r.startswith("torchmetrics") for r in reqs)
+
+
+def test_image_pins_match_make_setup():
+    setup = (ROOT / ".ci" / "setup.sh").read_text()
+    assert f"torch=={TORCH_VERSION} torchvision=={TORCHVISION_VERSION}" in setup
+
+
+def test_code_snapshot_holds_the_script_beside_the_package(staged):
+    code = staged.code_dir
+    assert (code / "mnist.py").read_bytes() == (ROOT / "examples" / "mnist.py").read_bytes()
+    assert (code / "adasum_lightning" / "strategy.py").is_file()
+    assert not list(code.rglob("__pycache__"))
+
+
+# -- SDK v1 ------------------------------------------------------------------------------------------
+def test_v1_script_run_config(staged):
+    from azureml.core import Environment, ScriptRunConfig
+    from azureml.core.runconfig import MpiConfiguration
+
+    src = sdk_v1.build(AmlJob(), staged)
+    assert isinstance(src, ScriptRunConfig) and isinstance(src.run_config.environment, Environment)
+    assert isinstance(src.run_config.mpi, MpiConfiguration)
+    rc = sdk_v1.run_configuration(src)
+    assert rc["script"] == "mnist.py" and rc["arguments"][0] == "fit"
+    assert "--trainer.strategy=horovod_adasum" in rc["arguments"] and "--trainer.devices=1" in rc["arguments"]
+    assert rc["target"] == "adasum-nc64t4"
+    assert rc["mpi"] == {"processCountPerNode": 4, "nodeCount": 8} and rc["nodeCount"] == 8
+    assert rc["communicator"] == "IntelMpi"  # what azureml-core sets for any MpiConfiguration
+    assert rc["environmentVariables"] == ENV
+    env = rc["environment"]
+    assert env["name"] == "adasum-lightning-horovod-nccl"
+    assert env["docker"]["buildContext"] == {
+        "locationType": None,
+        "location": str(staged.context_dir),
+        "dockerfilePath": "Dockerfile",
+    }
+    assert (
+        env["python"]["userManagedDependencies"] is True
+        and env["python"]["interpreterPath"] == "/opt/venv/bin/python"
+    )
+    assert rc["docker"]["useDocker"] is True and rc["docker"]["shmSize"] == "16g"
+    assert json.loads(sdk_v1.render(src)) == rc
+
+
+def test_v1_submit_goes_to_the_experiment_and_creates_the_cluster(staged, monkeypatch, capsys):
+    from azureml.core import Experiment, Run, Workspace
+    from azureml.core.compute import ComputeTarget
+    from azureml.core.compute.amlcompute import AmlComputeProvisioningConfiguration
+    from azureml.core.compute_target import ComputeTargetException
+
+    workspace = create_autospec(Workspace, instance=True)
+    compute_cls = create_autospec(ComputeTarget)
+    compute_cls.side_effect = ComputeTargetException("ComputeTargetNotFound")
+    monkeypatch.setattr("azureml.core.compute.ComputeTarget", compute_cls)
+    experiment = create_autospec(Experiment, instance=True)
+    run = create_autospec(Run, instance=True)
+    run.id = "adasum_1"
+    run.get_portal_url.return_value = "https://ml.azure.com/runs/adasum_1"
+    experiment.submit.return_value = run
+    made = []
+
+    def experiment_factory(ws, name):
+        made.append((ws, name))
+        return experiment
+
+    job = AmlJob()
+    out = sdk_v1.submit(
+        job,
+        staged,
+        CONFIG,
+        workspace=workspace,
+        experiment_factory=experiment_factory,
+        upload_build_context=False,
+    )
+    assert out is run and made == [(workspace, "adasum-lightning-mnist")]
+    compute_cls.assert_called_once_with(workspace=workspace, name="adasum-nc64t4")
+    (ws, name, config), _ = compute_cls.create.call_args
+    assert (ws, name) == (workspace, "adasum-nc64t4") and isinstance(
+        config, AmlComputeProvisioningConfiguration
+    )
+    scale = config.scale_settings
+    assert (config.vm_size, scale.minimum_node_count, scale.maximum_node_count) == (
+        "Standard_NC64as_T4_v3",
+        0,
+        8,
+    )
+    assert scale.idle_seconds_before_scaledown == 1800
+    (src,), _ = experiment.submit.call_args
+    rc = sdk_v1.run_configuration(src)
+    assert rc["mpi"] == {"processCountPerNode": 4, "nodeCount": 8} and rc["environmentVariables"] == ENV
+    assert "https://ml.azure.com/runs/adasum_1" in capsys.readouterr().out
+
+
+def test_v1_existing_cluster_of_another_size_is_refused(staged, monkeypatch):
+    from azureml.core import Workspace
+    from azureml.core.compute import ComputeTarget
+
+    existing = create_autospec(ComputeTarget, instance=True)
+    existing.vm_size = "Standard_NC96ads_A100_v4"
+    monkeypatch.setattr(
+        "azureml.core.compute.ComputeTarget", create_autospec(ComputeTarget, return_value=existing)
+    )
+    with pytest.raises(
+        AmlUsageError, match=r"exists with VM size Standard_NC96ads_A100_v4.*--cluster NEW_NAME"
+    ):
+        sdk_v1.get_or_create_cluster(create_autospec(Workspace, instance=True), AmlJob())
+
+
+# -- SDK v2 ------------------------------------------------------------------------------------------
+def test_v2_command_job(staged, tmp_path):
+    from azure.ai.ml import MpiDistribution, load_job
+    from azure.ai.ml.entities import CommandJob
+
+    job_entity = sdk_v2.build(AmlJob(), staged)
+    assert isinstance(job_entity, CommandJob) and isinstance(job_entity.distribution, MpiDistribution)
+    assert (
+        job_entity.resources.instance_count == 8 and job_entity.distribution.process_count_per_instance == 4
+    )
+    assert job_entity.command.startswith("python mnist.py fit --trainer.strategy=horovod_adasum ")
+    text = sdk_v2.render(job_entity)
+    data = yaml.safe_load(text)
+    assert data["type"] == "command" and data["compute"] == "azureml:adasum-nc64t4"
+    assert data["resources"] == {"instance_count": 8, "properties": {}, "shm_size": "16g"}
+    assert data["distribution"] == {"type": "mpi", "process_count_per_instance": 4}
+    assert "--trainer.strategy=horovod_adasum" in data["command"].split()
+    assert "--trainer.accelerator=gpu" in data["command"].split()
+    assert data["environment_variables"] == ENV
+    assert data["environment"]["build"] == {"path": str(staged.context_dir), "dockerfile_path": "Dockerfile"}
+    assert data["code"] == str(staged.code_dir) and data["experiment_name"] == "adasum-lightning-mnist"
+    (tmp_path / "job.yml").write_text(text)
+    reloaded = load_job(tmp_path / "job.yml")
+    assert reloaded.resources.instance_count == 8 and reloaded.distribution.process_count_per_instance == 4
+    assert reloaded.command == job_entity.command
+
+
+def _mock_client():
+    from azure.ai.ml import MLClient
+    from azure.ai.ml.operations import ComputeOperations, JobOperations
+
+    client = create_autospec(MLClient, instance=True)
+    client.compute = create_autospec(ComputeOperations, instance=True)
+    client.jobs = create_autospec(JobOperations, instance=True)
+    return client
+
+
+def test_v2_submit_creates_the_cluster_and_the_job(staged, capsys):
+    from azure.ai.ml.entities import AmlCompute, CommandJob
+    from azure.core.exceptions import ResourceNotFoundError
+
+    client = _mock_client()
+    client.compute.get.side_effect = ResourceNotFoundError("no such compute")
+    created = client.jobs.create_or_update.return_value
+    created.name, created.studio_url = "adasum_job_1", "https://ml.azure.com/runs/adasum_job_1"
+    assert sdk_v2.submit(AmlJob(), staged, CONFIG, client=client) is created
+    client.compute.get.assert_called_once_with("adasum-nc64t4")
+    (cluster,), _ = client.compute.begin_create_or_update.call_args
+    assert isinstance(cluster, AmlCompute)
+    assert (cluster.name, cluster.size, cluster.min_instances, cluster.max_instances) == (
+        "adasum-nc64t4",
+        "Standard_NC64as_T4_v3",
+        0,
+        8,
+    )
+    (job_entity,), kwargs = client.jobs.create_or_update.call_args
+    assert kwargs == {"experiment_name": "adasum-lightning-mnist"} and isinstance(job_entity, CommandJob)
+    assert (
+        job_entity.resources.instance_count == 8 and job_entity.distribution.process_count_per_instance == 4
+    )
+    assert dict(job_entity.environment_variables) == ENV
+    assert "https://ml.azure.com/runs/adasum_job_1" in capsys.readouterr().out
+
+
+def test_v2_existing_cluster_too_small_is_refused(staged):
+    from azure.ai.ml.entities import AmlCompute
+
+    client = _mock_client()
+    client.compute.get.return_value = AmlCompute(
+        name="adasum-nc64t4", size="Standard_NC64as_T4_v3", max_instances=4
+    )
+    with pytest.raises(AmlUsageError, match=r"scales to 4 nodes, fewer than --nodes 8"):
+        sdk_v2.submit(AmlJob(), staged, CONFIG, client=client)
+    client.jobs.create_or_update.assert_not_called()
+
+
+def test_v2_authentication_failure_is_reported_without_the_secret(staged, monkeypatch):
+    from azure.core.exceptions import ClientAuthenticationError
+
+    monkeypatch.setenv("AZURE_CLIENT_SECRET", "s3cr3t-value")
+    client = _mock_client()
+    client.compute.get.side_effect = ClientAuthenticationError("bad client secret s3cr3t-value")
+    with pytest.raises(AmlSubmitError, match=r"Azure authentication failed.*az login") as info:
+        sdk_v2.submit(AmlJob(), staged, CONFIG, client=client)
+    assert "s3cr3t-value" not in str(info.value)
+
+
+# -- the command line --------------------------------------------------------------------------------
+def test_dry_run_v1_prints_the_complete_run_configuration(capsys, tmp_path):
+    assert cli.main(["submit", "--sdk", "v1", "--dry-run", "--staging-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    rc = json.loads(out.out)
+    assert rc["mpi"] == {"processCountPerNode": 4, "nodeCount": 8} and rc["script"] == "mnist.py"
+    assert rc["environment"]["docker"]["buildContext"]["location"] == str(tmp_path / "image")
+    assert "nothing was sent to Azure" in out.err
+
+
+def test_dry_run_v2_prints_the_job_yaml_with_pass_through_args(capsys, tmp_path):
+    argv = ["submit", "--sdk", "v2", "--dry-run", "--nodes", "4", "--staging-dir", str(tmp_path)]
+    assert cli.main([*argv, "--", "--trainer.max_epochs=2"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert (
+        data["resources"]["instance_count"] == 4 and data["distribution"]["process_count_per_instance"] == 4
+    )
+    assert data["command"].endswith("--trainer.default_root_dir=outputs --trainer.max_epochs=2")
+
+
+@pytest.mark.parametrize("sdk", ["v1", "v2"])
+def test_submit_without_network_fails_fast_and_creates_no_credential(sdk, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    monkeypatch.setenv("AZURE_CLIENT_SECRET", "s3cr3t-value")
+    config = tmp_path / "config_aml.json"
+    config.write_text(json.dumps({"subscription_id": SUB, "resource_group": "rg", "workspace_name": "ws"}))
+    start = time.monotonic()
+    assert cli.main(["submit", "--sdk", sdk, "--config", str(config)]) == 1
+    assert time.monotonic() - start < 10
+    out = capsys.readouterr()
+    assert "adasum-aml: submit failed: cannot reach management.azure.com:443" in out.err
+    assert "s3cr3t-value" not in out.out + out.err

@@ -63,6 +63,25 @@ def load_ranks(out: Path, np: int) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
 
 
+def quick_fit(model, strategy="horovod_adasum", limit_train_batches: int = 2, **trainer_kwargs):
+    """One short CPU epoch in this process (world size 1), without logger, progress bar or checkpoints."""
+    import pytorch_lightning as pl
+
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=limit_train_batches,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(model)
+    return trainer
+
+
 @pytest.fixture(scope="session")
 def mnist_root(tmp_path_factory) -> Path | None:
     """A torchvision root holding real MNIST: the shared copy when present, else a download, else None."""

@@ -6,7 +6,7 @@ import sys
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import WORKERS, mpi_env
+from conftest import WORKERS, mpi_env, quick_fit
 
 import adasum_lightning
 from adasum_lightning import HorovodAdasumStrategy, HorovodStrategy
@@ -93,20 +93,10 @@ def test_size_one_fit_trains_with_the_expected_lr(strategy, expected_lr):
     pl.seed_everything(7)
     model = TinyModule(lr=0.1, scheduler="step")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=3,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(model)
+    trainer = quick_fit(model, strategy, limit_train_batches=3)
     assert trainer.world_size == 1 and trainer.global_step == 3
     assert model.record["start_lr"] == pytest.approx(expected_lr)
     assert model.record["base_lrs"] == [pytest.approx(expected_lr)]
-    assert model.record["lrs"] == [pytest.approx(expected_lr)] * 3  # StepLR(step_size=3) not yet stepped
+    assert model.record["lrs"] == [pytest.approx(expected_lr)] * 3  # StepLR steps at the epoch end
     changed = [k for k in before if not torch.equal(before[k], model.state_dict()[k])]
     assert sorted(changed) == sorted(before)  # every parameter moved

@@ -6,7 +6,7 @@ import sys
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import WORKERS, mpi_env
+from conftest import WORKERS, mpi_env, quick_fit
 
 from adasum_lightning import HorovodAdasumStrategy, HorovodStrategy
 from adasum_lightning.ops import is_power_of_two
@@ -170,26 +170,10 @@ def test_horovod_missing_names_make_setup():
     assert "with `make setup`" in out.stdout
 
 
-def _fit(model, **trainer_kwargs):
-    trainer = pl.Trainer(
-        strategy=trainer_kwargs.pop("strategy", "horovod_adasum"),
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=2,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-        **trainer_kwargs,
-    )
-    trainer.fit(model)
-    return trainer
-
-
 def test_fit_refuses_norm_clipping_before_any_step():
     model = TinyModule()
     with pytest.raises(AdasumConfigurationError, match="cannot clip gradients by norm"):
-        _fit(model, gradient_clip_val=1.0)
+        quick_fit(model, gradient_clip_val=1.0)
     assert model.record["indices"] == []  # no training step ran
 
 
@@ -199,12 +183,12 @@ def test_fit_refuses_fp16_mixed_before_any_step():
     model = TinyModule()
     plugin = MixedPrecision(precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(AdasumConfigurationError, match="cannot use precision='16-mixed'"):
-        _fit(model, plugins=[plugin])
+        quick_fit(model, plugins=[plugin])
     assert model.record["indices"] == []
 
 
 def test_averaging_strategy_keeps_norm_clipping():
-    trainer = _fit(TinyModule(), strategy="horovod", gradient_clip_val=1.0)
+    trainer = quick_fit(TinyModule(), strategy="horovod", gradient_clip_val=1.0)
     assert trainer.global_step == 2
 
 

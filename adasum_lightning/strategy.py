@@ -21,6 +21,7 @@ import functools
 import logging
 import numbers
 import os
+import pickle
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -263,15 +264,17 @@ class HorovodStrategy(ParallelStrategy):
             FileNotFoundError: the file does not exist.
             RuntimeError: the file is truncated, corrupt or not a Lightning checkpoint.
         """
+        # pytorch-lightning < 2.5 has no weights_only argument here
+        kwargs = {} if weights_only is None else {"weights_only": weights_only}
         try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(checkpoint_path, **kwargs)
         except FileNotFoundError as err:
             raise FileNotFoundError(
                 f"checkpoint {checkpoint_path} does not exist on rank {self.global_rank}. Pass the path of a "
                 "checkpoint that every rank can read (Lightning writes them under "
                 "<default_root_dir>/.../checkpoints/), or ckpt_path=None to start from scratch."
             ) from err
-        except Exception as err:
+        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError) as err:
             first_line = (str(err).splitlines() or [""])[0][:200]
             raise RuntimeError(
                 f"checkpoint {checkpoint_path} could not be read on rank {self.global_rank} "

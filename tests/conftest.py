@@ -33,7 +33,7 @@ def mpi_env() -> dict[str, str]:
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS)]),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(WORKERS), os.environ.get("PYTHONPATH")) if p),
     )
     return env
 

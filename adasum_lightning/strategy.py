@@ -137,6 +137,19 @@ class HorovodStrategy(ParallelStrategy):
         return torch.device("cpu")
 
     @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        # One process per device: whatever ``devices`` the Trainer was given (e.g. "auto" = every GPU of
+        # the node), this process drives cuda:<local rank> (or the CPU).
+        if devices:
+            kind = torch.device(devices[0]).type
+            devices = [torch.device("cuda", self.local_rank)] if kind == "cuda" else [torch.device(kind)]
+        self._parallel_devices = devices
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # One shuffling seed for all ranks (rank 0's), so that the shards are disjoint even when each
         # rank called seed_everything with its own seed.

@@ -100,3 +100,18 @@ def test_size_one_fit_trains_with_the_expected_lr(strategy, expected_lr):
     assert model.record["lrs"] == [pytest.approx(expected_lr)] * 3  # StepLR steps at the epoch end
     changed = [k for k in before if not torch.equal(before[k], model.state_dict()[k])]
     assert sorted(changed) == sorted(before)  # every parameter moved
+
+
+def test_one_device_per_process_whatever_devices_says():
+    # Before hvd.init() the local rank comes from the launcher (a fresh interpreter: Horovod not initialised).
+    code = (
+        "import torch, adasum_lightning, pytorch_lightning as pl\n"
+        "t = pl.Trainer(strategy='horovod_adasum', accelerator='cpu', devices=4, logger=False)\n"
+        "s = adasum_lightning.HorovodAdasumStrategy()\n"
+        "s.parallel_devices = [torch.device('cuda', i) for i in range(4)]\n"
+        "print(t.num_devices, t.strategy.parallel_devices, s.parallel_devices)\n"
+    )
+    env = dict(mpi_env(), OMPI_COMM_WORLD_LOCAL_RANK="3", OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "1 [device(type='cpu')] [device(type='cuda', index=3)]"

@@ -21,7 +21,6 @@ import functools
 import logging
 import numbers
 import os
-import pickle
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -287,13 +286,8 @@ class HorovodStrategy(ParallelStrategy):
                 "checkpoint that every rank can read (Lightning writes them under "
                 "<default_root_dir>/.../checkpoints/), or ckpt_path=None to start from scratch."
             ) from err
-        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError) as err:
-            first_line = (str(err).splitlines() or [""])[0][:200]
-            raise RuntimeError(
-                f"checkpoint {checkpoint_path} could not be read on rank {self.global_rank} "
-                f"({type(err).__name__}: {first_line}). It is truncated, corrupt or "
-                "not a Lightning checkpoint: pass another ckpt_path, or ckpt_path=None to start from scratch."
-            ) from err
+        except validation.CHECKPOINT_READ_ERRORS as err:
+            raise validation.unreadable_checkpoint(checkpoint_path, err, self.global_rank) from err
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
             raise RuntimeError(
                 f"checkpoint {checkpoint_path} holds no 'state_dict': it is not a Lightning checkpoint. "

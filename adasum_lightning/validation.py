@@ -14,6 +14,7 @@ reduce-scatter inside a node, Adasum across nodes, power-of-2 node count, homoge
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -32,6 +33,8 @@ __all__ = [
     "check_gradient_clipping",
     "check_gradient_predivide_factor",
     "check_single_device",
+    "unreadable_checkpoint",
+    "CHECKPOINT_READ_ERRORS",
 ]
 
 
@@ -222,3 +225,17 @@ def check_single_device(tensors: Iterable[torch.Tensor]) -> None:
             "Keep the whole module on one device (Lightning moves it to cuda:<local rank> or cpu) and start "
             "one process per GPU with horovodrun."
         )
+
+
+def unreadable_checkpoint(path: object, err: BaseException, rank: int) -> RuntimeError:
+    """The error for a checkpoint file that exists but cannot be loaded (truncated, corrupt, foreign)."""
+    first_line = (str(err).splitlines() or [""])[0][:200]
+    return RuntimeError(
+        f"checkpoint {path} could not be read on rank {rank} ({type(err).__name__}: {first_line}). "
+        "It is truncated, corrupt or not a Lightning checkpoint: pass another ckpt_path, or ckpt_path=None "
+        "to start from scratch."
+    )
+
+
+#: What ``torch.load`` raises for a file it cannot read.
+CHECKPOINT_READ_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError)

@@ -31,7 +31,9 @@ from torchvision import datasets, transforms
 from torchvision.datasets.utils import check_integrity
 
 import adasum_lightning  # noqa: F401  (registers "horovod_adasum" and "horovod")
+from adasum_lightning.environment import launcher_rank
 from adasum_lightning.metrics import horovod_sync_kwargs
+from adasum_lightning.validation import CHECKPOINT_READ_ERRORS, unreadable_checkpoint
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
@@ -224,6 +226,15 @@ class MNISTCLI(LightningCLI):
         kwargs.setdefault("seed_everything_default", 42)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(MNISTNet, MNISTDataModule, *args, **kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads --ckpt_path itself (for the hyperparameters) before fit: give an unreadable
+        # file the same clear error the strategy gives.
+        try:
+            super()._parse_ckpt_path()
+        except CHECKPOINT_READ_ERRORS as err:
+            ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+            raise unreadable_checkpoint(ckpt_path, err, launcher_rank()) from err
 
     def instantiate_trainer(self, **kwargs):
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init

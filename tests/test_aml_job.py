@@ -230,6 +230,11 @@ def no_sdk_calls(monkeypatch):
         ([], "no workspace config file"),
         (["--local", "3"], "--local 3: the process count must be a power of 2"),
         (["--env", "MY_TOKEN=abc", "--dry-run"], "looks like a secret"),
+        (["--config", ".", "--dry-run"], "is a directory, not a JSON file. Pass the file itself: --config"),
+        (
+            ["--gpus-per-node", "8", "--dry-run"],
+            "a VM size with 8 GPUs or more (--vm-size Standard_ND96asr_v4)",
+        ),
     ],
 )
 def test_bad_input_exits_2_naming_the_fix(argv, message, tmp_path, monkeypatch, capsys, no_sdk_calls):
@@ -260,7 +265,13 @@ def test_auto_prefers_v2_and_falls_back_to_v1(monkeypatch):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--dry-run", "--local", "2"], ["--nodes", "four"], ["--bogus-option"], ["--env", "NOEQUALS"]],
+    [
+        ["--dry-run", "--local", "2"],
+        ["--nodes", "four"],
+        ["--bogus-option"],
+        ["--env", "NOEQUALS"],
+        ["stray"],
+    ],
 )
 def test_argument_errors_exit_2(argv, capsys, no_sdk_calls):
     with pytest.raises(SystemExit) as info:
@@ -274,6 +285,9 @@ def test_training_arguments_pass_through():
     job = cli.job_from_args(args)
     assert job.node_count == 4 and job.max_nodes == 4
     assert job.training_command()[-3:] == ["--trainer.max_epochs=2", "--model.lr", "0.02"]
+    # an option's value may follow it before '--' too, and keeps its place
+    args = cli.parse_args(["submit", "--trainer.max_epochs", "3", "--dry-run", "--data.data_dir=x"])
+    assert args.training_args == ["--trainer.max_epochs", "3", "--data.data_dir=x"]
 
 
 def test_console_script_and_module_entry_point():

@@ -4,6 +4,7 @@ import gzip
 import re
 import shutil
 import stat
+import subprocess
 import sys
 
 import pytest
@@ -88,3 +89,14 @@ def test_two_processes_reach_95_percent_in_three_epochs(mnist_root, tmp_path):
         line.split(",")[0] for line in metrics[1:] if line.split(",")[metrics[0].split(",").index("val_acc")]
     ]
     assert epochs == ["0", "1", "2"]
+
+
+def test_cli_names_an_unreadable_checkpoint(tmp_path):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"garbage")
+    cmd = [sys.executable, str(ROOT / "examples" / "mnist.py"), "fit", f"--ckpt_path={bad}",
+           f"--data.data_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"RuntimeError: checkpoint {bad} could not be read on rank 0 (UnpicklingError" in out.stderr
+    assert "pass another ckpt_path, or ckpt_path=None" in out.stderr

@@ -157,7 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data-dir", default="data", help="MNIST root for --local (DIR/MNIST/raw; default ./data)"
     )
-    p.add_argument("training_args", nargs="*", help="arguments after '--' for the training script")
     return parser
 
 
@@ -171,9 +170,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         argv, after = argv[:cut], argv[cut + 1 :]
     args, unknown = parser.parse_known_args(argv)
     bad = [a for a in unknown if a.startswith("-") and not a.startswith(PASS_THROUGH_PREFIXES)]
+    # A bare word is accepted only as the value of the pass-through option before it (--trainer.x 2).
+    bad += [
+        a
+        for i, a in enumerate(unknown)
+        if not a.startswith("-") and not (i > 0 and unknown[i - 1].startswith(PASS_THROUGH_PREFIXES)
+                                          and "=" not in unknown[i - 1])
+    ]  # fmt: skip
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} (put training-script arguments after '--')")
-    args.training_args = [*args.training_args, *unknown, *after]
+    args.training_args = [*unknown, *after]
     return args
 
 

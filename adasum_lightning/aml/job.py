@@ -162,6 +162,11 @@ def lookup_vm_size(name: str) -> VmSize:
     return size
 
 
+def _size_with_gpus(gpus: int) -> str:
+    """The first current VM size (table order: cheapest family first) with at least ``gpus`` GPUs."""
+    return next((s.name for s in VM_SIZES.values() if s.retired is None and s.gpus >= gpus), "?")
+
+
 @dataclass(frozen=True)
 class AmlJob:
     """One Azure ML training job of the MNIST example with Horovod Adasum.
@@ -217,7 +222,8 @@ class AmlJob:
             raise AmlUsageError(
                 f"{size.name} has {size.gpus} GPU(s) ({size.gpu}) but process_count_per_node is "
                 f"{self.process_count_per_node} (one process per GPU). Use --gpus-per-node {size.gpus} or a "
-                f"VM size with more GPUs (--vm-size {DEFAULT_VM_SIZE} has 4)"
+                f"VM size with {self.process_count_per_node} GPUs or more "
+                f"(--vm-size {_size_with_gpus(self.process_count_per_node)})"
             )
         max_nodes = self.node_count if self.max_nodes is None else self.max_nodes
         if isinstance(self.min_nodes, bool) or not isinstance(self.min_nodes, int) or self.min_nodes < 0:

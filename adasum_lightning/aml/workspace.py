@@ -77,6 +77,11 @@ def load_workspace_config(path: str | os.PathLike | None = None) -> WorkspaceCon
             non-string value, or a subscription id that is not a GUID. The message names the file and fix.
     """
     file = Path(path) if path is not None else find_config_file()
+    if file.is_dir():
+        raise AmlUsageError(
+            f"workspace config file {file} is a directory, not a JSON file. Pass the file itself: "
+            f"--config {file / 'config_aml.json'} (contents {_EXAMPLE})"
+        )
     if not file.is_file():
         raise AmlUsageError(
             f"workspace config file {file} does not exist. Create it as {_EXAMPLE} "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import numbers
 import os
 import sys
@@ -36,8 +35,6 @@ from torch.optim import Optimizer
 
 from adasum_lightning import validation
 from adasum_lightning.environment import HorovodEnvironment
-
-log = logging.getLogger(__name__)
 
 __all__ = ["HorovodStrategy", "HorovodAdasumStrategy", "import_horovod"]
 

@@ -32,5 +32,17 @@ lint: setup
 	@$(VENV)/bin/ruff check adasum_lightning examples tests benchmarks
 	@$(VENV)/bin/ruff format --check adasum_lightning examples tests benchmarks
 
+# Scaling study + overhead benchmarks -> benchmarks/results/*.json, docs/benchmarks.md (+ PNGs).
+# `bench`: 47 min measured on 2 shared cores; `bench-quick`: reduced, under 10 min, into benchmarks/results/quick/.
+bench: setup
+	@$(PY) -c "import matplotlib, tqdm" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
+	@mkdir -p runs; start=$$(date +%s); set -o pipefail; $(PY) -m benchmarks 2>&1 | tee runs/bench.log && \
+	    echo "[bench] took $$(( ($$(date +%s) - start) / 60 )) min; report: docs/benchmarks.md"
+
+bench-quick: setup
+	@$(PY) -c "import matplotlib, tqdm" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
+	@mkdir -p runs; start=$$(date +%s); set -o pipefail; $(PY) -m benchmarks --quick 2>&1 | tee runs/bench-quick.log && \
+	    echo "[bench-quick] took $$(( ($$(date +%s) - start) / 60 )) min; report: benchmarks/results/quick/report.md"
+
 clean:
 	rm -rf runs runs-demo.log .pytest_cache

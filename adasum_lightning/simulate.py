@@ -1,0 +1,370 @@
+"""Simulate N data-parallel Horovod workers in one process: Adasum or averaging, no MPI needed.
+
+Use it to see, before renting a cluster, how Adasum and gradient averaging compare for *your*
+LightningModule at 8, 16, 64 workers::
+
+    from adasum_lightning.simulate import simulate
+
+    pl.seed_everything(42)                     # the initial weights, as rank 0 would draw them
+    result = simulate(MyModule(), train_set, num_workers=16, method="adasum", batch_size=32,
+                      max_epochs=5, val_dataset=val_set, target=0.99)
+    result.epochs_to_target, result.history[-1]["val_acc"]
+
+What one simulated step does (``W`` workers, common parameters ``θ``):
+
+- ``method="adasum"`` — Horovod's ``_DistributedAdasumOptimizer`` (``horovod/torch/optimizer.py``):
+  every worker ``w`` takes its own batch, runs ``training_step`` + backward from ``θ``, then *its own*
+  optimizer (own state, e.g. momentum from its local gradients; own LR scheduler) steps, giving
+  ``θ_w``; the deltas ``d_w = θ_w − θ`` (float32 subtraction, as Horovod does) are combined per
+  parameter tensor with :func:`adasum_lightning.ops.adasum_reduce` (pairwise, as Horovod's recursive
+  vector-halving pairs ranks; Maleki et al., MLSys 2021) and ``θ ← θ + adasum(d_0 … d_{W−1})``.
+  The learning rate is multiplied by ``lr_factor`` (default 1, as ``horovod_adasum`` on CPU).
+- ``method="average"`` — Horovod's ``_DistributedOptimizer`` with ``op=Average``: the workers'
+  gradients from ``θ`` are summed neighbours first, ``(g_0 + g_1) + (g_2 + g_3)`` (the order of the
+  recursive-doubling allreduce Open MPI used in the validation runs), divided by W, and one optimizer
+  (state shared: identical on every rank in the real job) steps with the learning rate × ``lr_factor``
+  (default W, as ``strategy="horovod"``). For SGD with momentum this equals the mean of the local deltas.
+- One worker is plain training (``hvd.DistributedOptimizer`` returns the unwrapped optimizer at size 1).
+
+Data order matches a real ``horovodrun`` job under :class:`~adasum_lightning.HorovodAdasumStrategy`:
+worker ``w`` reads ``DistributedSampler(train_dataset, num_replicas=W, rank=w, shuffle=shuffle,
+seed=sampler_seed)`` with ``set_epoch(epoch)``, batches of ``batch_size``, last partial batch kept —
+the sampler Lightning inserts, whose seed is ``PL_GLOBAL_SEED`` (the ``seed_everything`` value).
+
+Supported LightningModules (automatic optimisation):
+
+- ``training_step(batch, batch_idx)`` returns the loss (a scalar tensor) or a dict with ``"loss"``;
+  it must not use ``self.trainer`` (there is none; ``self.log`` calls are ignored);
+- ``configure_optimizers`` returns one optimizer, optionally with LR schedulers in any form Lightning
+  accepts (``interval`` ``"step"`` or ``"epoch"``, ``frequency``); ``ReduceLROnPlateau`` is not
+  supported. It is called once per worker, so every worker gets its own optimizer and schedulers; it
+  must not read ``self.trainer`` either (e.g. ``estimated_stepping_batches``: pass a schedule's length
+  in steps explicitly, see :func:`steps_per_epoch`);
+- parameters and batches on the CPU, any floating dtype (the Adasum arithmetic is float64 inside);
+- one backward per step (no gradient accumulation); gradient clipping, AMP and manual optimisation
+  are not simulated;
+- buffers (e.g. BatchNorm running statistics) are not reduced. ``"adasum"``: each worker keeps its
+  own, as Horovod ranks do, and evaluation uses worker 0's; ``"average"``: one set, updated by every
+  worker's batch in turn;
+- dropout and other randomness draw from the one global torch generator, worker after worker, so a
+  model with dropout is statistically, not bitwise, like a real job.
+
+Compute per epoch ≈ one single-process epoch (every sample is processed once); memory: one model, W
+optimizer states (``adasum``), plus W parameter deltas during a step.
+
+Measured against real ``horovodrun`` jobs (``tests/test_simulate.py``, ``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from pytorch_lightning.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from tqdm.auto import tqdm
+
+from adasum_lightning.ops import adasum_reduce, is_power_of_two
+
+__all__ = ["simulate", "evaluate_classifier", "SimulationResult", "scale_learning_rates", "steps_per_epoch"]
+
+# Param-group keys that hold a learning rate (as in the strategies): "lr", and the copies LR schedulers
+# keep ("initial_lr" for every LRScheduler, "max_lr"/"min_lr" for OneCycleLR).
+_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` measured.
+
+    Attributes:
+        method: ``"adasum"`` or ``"average"``.
+        num_workers: simulated world size W.
+        lr_factor: the factor applied to every learning rate.
+        batch_size: per-worker batch (the global batch is ``W × batch_size``).
+        steps_per_epoch: optimizer steps per epoch (``ceil(ceil(len(train)/W) / batch_size)``).
+        history: one dict per evaluated epoch: ``epoch`` (1-based, completed epochs), ``step``
+            (optimizer steps so far), ``train_loss`` (mean over the epoch's worker batches), ``wall_s``
+            (seconds since the start) and the entries of ``eval_fn`` (by default ``val_acc`` as a
+            fraction in [0, 1] and ``val_loss``, mean cross-entropy in nats).
+        target: the accuracy target, or None.
+        epochs_to_target / steps_to_target: first epoch (and step count) whose ``val_acc`` ≥ target;
+            None when not reached within ``max_epochs`` (or when no target/validation set was given).
+        diverged: the mean training loss of an epoch was not finite (NaN/inf); the run stopped there.
+    """
+
+    method: str
+    num_workers: int
+    lr_factor: float
+    batch_size: int
+    steps_per_epoch: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    target: float | None = None
+    epochs_to_target: int | None = None
+    steps_to_target: int | None = None
+    diverged: bool = False
+
+
+def steps_per_epoch(num_samples: int, num_workers: int, batch_size: int) -> int:
+    """Optimizer steps per epoch of a ``DistributedSampler`` shard (padded, ``drop_last=False``) read in
+    batches of ``batch_size`` with the last partial batch kept: ``ceil(ceil(n / W) / B)``."""
+    return math.ceil(math.ceil(num_samples / num_workers) / batch_size)
+
+
+def scale_learning_rates(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], factor: float) -> None:
+    """Multiply every learning rate of ``optimizer`` and its ``schedulers`` by ``factor``, once.
+
+    The same policy as the strategies' ``lr_scaling``: each param group's ``lr``, ``initial_lr``,
+    ``max_lr`` and ``min_lr`` (when present) and each scheduler's ``base_lrs``.
+    """
+    if factor == 1.0:
+        return
+    for group in optimizer.param_groups:
+        for key in _LR_KEYS:
+            if isinstance(group.get(key), numbers.Real):
+                group[key] = group[key] * factor
+    for scheduler in schedulers:
+        if hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+
+@torch.no_grad()
+def evaluate_classifier(
+    module: torch.nn.Module, dataset: Dataset, batch_size: int = 1000
+) -> dict[str, float]:
+    """Accuracy and loss of a classifier over ``dataset`` (the default ``eval_fn`` of :func:`simulate`).
+
+    Args:
+        module: maps a batch ``x`` to scores of shape ``(B, C)`` (logits or log-probabilities).
+        dataset: yields ``(x, y)`` with ``y`` an int64 class index.
+        batch_size: evaluation batch.
+
+    Returns:
+        ``{"val_acc": fraction in [0, 1], "val_loss": mean cross-entropy in nats}`` (cross-entropy of
+        log-probabilities equals their negative log-likelihood, so both kinds of output work).
+    """
+    was_training = module.training
+    module.eval()
+    accuracy = None
+    loss_sum, count = 0.0, 0
+    for x, y in DataLoader(dataset, batch_size=batch_size):
+        scores = module(x)
+        if accuracy is None:
+            accuracy = torchmetrics.classification.MulticlassAccuracy(
+                num_classes=scores.shape[1], average="micro"
+            )
+        accuracy.update(scores, y)
+        loss_sum += F.cross_entropy(scores, y, reduction="sum").item()
+        count += len(y)
+    module.train(was_training)
+    return {"val_acc": float(accuracy.compute()), "val_loss": loss_sum / count}
+
+
+class _Worker:
+    """One simulated rank: its data shard, its optimizer (own state), its schedulers, its buffers."""
+
+    def __init__(self, module: pl.LightningModule, lr_factor: float) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
+        if len(optimizers) != 1:
+            raise ValueError(f"simulate supports one optimizer, configure_optimizers gave {len(optimizers)}")
+        self.configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+        for config in self.configs:
+            if config.reduce_on_plateau:
+                raise ValueError("simulate does not support ReduceLROnPlateau schedulers")
+        self.optimizer = optimizers[0]
+        scale_learning_rates(self.optimizer, [c.scheduler for c in self.configs], lr_factor)
+        self.buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+
+    def step_schedulers(self, interval: str, count: int) -> None:
+        for config in self.configs:
+            if config.interval == interval and count % config.frequency == 0:
+                config.scheduler.step()
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = output["loss"] if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError("training_step must return a scalar loss tensor or a dict with 'loss'")
+    return loss
+
+
+def simulate(
+    module: pl.LightningModule,
+    train_dataset: Dataset,
+    *,
+    num_workers: int,
+    batch_size: int,
+    method: Literal["adasum", "average"] = "adasum",
+    max_epochs: int = 1,
+    max_steps: int | None = None,
+    lr_factor: float | None = None,
+    sampler_seed: int = 0,
+    shuffle: bool = True,
+    val_dataset: Dataset | None = None,
+    eval_fn: Callable[[pl.LightningModule, Dataset], dict[str, float]] | None = None,
+    target: float | None = None,
+    stop_at_target: bool = True,
+    progress: bool = True,
+) -> SimulationResult:
+    """Train ``module`` in place as ``num_workers`` Horovod workers would (see the module docstring).
+
+    Args:
+        module: the LightningModule (its current parameters are the common start, i.e. rank 0's).
+        train_dataset: the full training set; each worker reads its ``DistributedSampler`` shard.
+        num_workers: simulated world size W ≥ 1 (a power of 2 for ``"adasum"``, as Horovod's CPU Adasum).
+        batch_size: per-worker batch.
+        method: ``"adasum"`` (deltas combined by Adasum) or ``"average"`` (gradients averaged).
+        max_epochs: epochs to run at most.
+        max_steps: optimizer steps to run at most (None: no limit).
+        lr_factor: learning-rate factor; default 1 for ``"adasum"``, W for ``"average"``.
+        sampler_seed: the ``DistributedSampler`` seed (Lightning uses the ``seed_everything`` value).
+        shuffle: shuffle the shards each epoch (``set_epoch``), as Lightning does for a shuffling loader.
+        val_dataset: evaluated after every epoch with ``eval_fn`` (none when None).
+        eval_fn: ``(module, val_dataset) -> dict`` of metrics; default :func:`evaluate_classifier`.
+        target: stop (if ``stop_at_target``) and record the epoch when ``val_acc`` ≥ target. A run also
+            stops after an epoch whose mean training loss is not finite (``result.diverged``).
+        stop_at_target: stop early once the target is reached.
+        progress: show a tqdm bar over optimizer steps.
+
+    Returns:
+        a :class:`SimulationResult`; ``module`` holds the final parameters.
+
+    Raises:
+        ValueError: unknown ``method``; W < 1, or W not a power of 2 with ``"adasum"``; a module
+            outside the supported set (several optimizers, ReduceLROnPlateau, a non-scalar loss).
+    """
+    if method not in ("adasum", "average"):
+        raise ValueError(f"method must be 'adasum' or 'average', got {method!r}")
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    if method == "adasum" and not is_power_of_two(num_workers):
+        raise ValueError(
+            f"Adasum needs a power-of-2 number of workers (as Horovod on CPU), got {num_workers}"
+        )
+    if lr_factor is None:
+        lr_factor = 1.0 if method == "adasum" else float(num_workers)
+    eval_fn = eval_fn or evaluate_classifier
+
+    module.train()
+    params = [p for p in module.parameters() if p.requires_grad]
+    # Like hvd.DistributedOptimizer, one Adasum worker is plain training (no delta arithmetic).
+    use_deltas = method == "adasum" and num_workers > 1
+    n_workers_with_state = num_workers if use_deltas else 1
+    workers = [_Worker(module, lr_factor) for _ in range(n_workers_with_state)]
+    samplers = [
+        DistributedSampler(
+            train_dataset, num_replicas=num_workers, rank=w, shuffle=shuffle, seed=sampler_seed
+        )
+        for w in range(num_workers)
+    ]
+    loaders = [DataLoader(train_dataset, batch_size=batch_size, sampler=s) for s in samplers]
+    per_epoch = len(loaders[0])
+    result = SimulationResult(method, num_workers, float(lr_factor), batch_size, per_epoch, target=target)
+    total = per_epoch * max_epochs if max_steps is None else min(max_steps, per_epoch * max_epochs)
+    bar = tqdm(
+        total=total, disable=not progress, leave=False, desc=f"simulate {method} W={num_workers}", unit="step"
+    )
+    start_time = time.perf_counter()
+    step = 0
+    with warnings.catch_warnings():
+        # training_step's self.log() without a Trainer only warns.
+        warnings.filterwarnings("ignore", message=".*self.trainer` reference is not registered.*")
+        for epoch in range(max_epochs):
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            loss_sum, loss_count = 0.0, 0
+            for batch_idx, batches in enumerate(zip(*loaders, strict=True)):
+                start = [p.detach().clone() for p in params]
+                if use_deltas:
+                    deltas: list[list[torch.Tensor]] = []
+                    for worker, batch in zip(workers, batches, strict=True):
+                        _load_buffers(module, worker.buffers)
+                        worker.optimizer.zero_grad()
+                        loss = _loss_of(module.training_step(batch, batch_idx))
+                        loss.backward()
+                        worker.optimizer.step()
+                        deltas.append([p.detach() - s for p, s in zip(params, start, strict=True)])
+                        worker.buffers = _save_buffers(module)
+                        with torch.no_grad():
+                            for p, s in zip(params, start, strict=True):
+                                p.copy_(s)
+                        loss_sum += loss.item()
+                    with torch.no_grad():
+                        for i, p in enumerate(params):
+                            p.copy_(start[i] + adasum_reduce([d[i] for d in deltas]))
+                    _load_buffers(module, workers[0].buffers)
+                else:
+                    worker = workers[0]
+                    per_worker: list[list[torch.Tensor]] = []
+                    for batch in batches:
+                        worker.optimizer.zero_grad()
+                        loss = _loss_of(module.training_step(batch, batch_idx))
+                        loss.backward()
+                        per_worker.append(
+                            [
+                                torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                                for p in params
+                            ]
+                        )
+                        loss_sum += loss.item()
+                    for i, p in enumerate(params):
+                        p.grad = _pairwise_sum([g[i] for g in per_worker]).div_(num_workers)
+                    worker.optimizer.step()
+                loss_count += len(batches)
+                step += 1
+                for worker in workers:
+                    worker.step_schedulers("step", step)
+                bar.update(1)
+                if max_steps is not None and step >= max_steps:
+                    break
+            for worker in workers:
+                worker.step_schedulers("epoch", epoch + 1)
+            record = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(loss_count, 1)}
+            if val_dataset is not None:
+                record.update(eval_fn(module, val_dataset))
+            record["wall_s"] = time.perf_counter() - start_time
+            result.history.append(record)
+            bar.set_postfix({k: round(v, 4) for k, v in record.items() if k.startswith("val")})
+            if not math.isfinite(record["train_loss"]):
+                result.diverged = True
+                break
+            reached = target is not None and record.get("val_acc", -math.inf) >= target
+            if reached and result.epochs_to_target is None:
+                result.epochs_to_target, result.steps_to_target = epoch + 1, step
+                if stop_at_target:
+                    break
+            if max_steps is not None and step >= max_steps:
+                break
+    bar.close()
+    return result
+
+
+def _pairwise_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum neighbours first, ``(g0 + g1) + (g2 + g3)``, the order of a recursive-doubling allreduce."""
+    while len(tensors) > 1:
+        pairs = [tensors[i] + tensors[i + 1] for i in range(0, len(tensors) - 1, 2)]
+        tensors = pairs + ([tensors[-1]] if len(tensors) % 2 else [])
+    return tensors[0].clone()
+
+
+def _save_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in module.named_buffers()}
+
+
+@torch.no_grad()
+def _load_buffers(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    if buffers:
+        own = dict(module.named_buffers())
+        for name, value in buffers.items():
+            own[name].copy_(value)

@@ -1,0 +1,484 @@
+"""Turn ``benchmarks/results/*.json`` into ``docs/benchmarks.md`` and its matplotlib PNGs.
+
+``python -m benchmarks --only report`` regenerates the report from existing results without rerunning.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from benchmarks.common import ROOT  # noqa: E402
+from benchmarks.study import epochs_to  # noqa: E402
+
+DOCS = ROOT / "docs"
+STYLE = {
+    "baseline": ("black", "N = 1 baseline"),
+    "adasum": ("tab:blue", "horovod_adasum, lr × 1"),
+    "adasum_x2": ("tab:cyan", "horovod_adasum, lr × 2"),
+    "average_xN": ("tab:red", "horovod (average), lr × N"),
+    "average_xsqrtN": ("tab:orange", "horovod (average), lr × √N"),
+    "average_x1": ("tab:green", "horovod (average), lr × 1"),
+}
+
+
+def _load(directory: Path, name: str) -> dict | None:
+    path = directory / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _fmt_epochs(values: list) -> str:
+    return ", ".join("—" if v is None else str(v) for v in values)
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _group(runs: list[dict]) -> dict[tuple[int, str], list[dict]]:
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["np"], r["method"]), []).append(r)
+    return groups
+
+
+def _scaling_rows(groups, target: float, lower: float) -> list[list]:
+    rows = []
+    for (n, method), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r["seed"])
+        e_t = [epochs_to(r["history"], target)[0] for r in rs]
+        s_t = [epochs_to(r["history"], target)[1] for r in rs]
+        e_l = [epochs_to(r["history"], lower)[0] for r in rs]
+        final = [r["history"][-1]["val_acc"] for r in rs]
+        diverged = [bool(r.get("diverged") or r["history"][-1].get("diverged")) for r in rs]
+        best = [max(h["val_acc"] for h in r["history"]) for r in rs]
+        mark = " (best avg)" if rs[0].get("best_average") else ""
+        rows.append(
+            [
+                n,
+                STYLE.get(method, (None, method))[1] + mark,
+                f"{rs[0]['factor']:.3g}",
+                ", ".join(str(r["seed"]) for r in rs),
+                _fmt_epochs(e_t),
+                _fmt_epochs(s_t),
+                _fmt_epochs(e_l),
+                ", ".join(
+                    f"{a:.4f}" + (" (diverged)" if d else "") for a, d in zip(final, diverged, strict=True)
+                ),
+                ", ".join(f"{a:.4f}" for a in best),
+            ]
+        )
+    return rows
+
+
+SCALING_HEADER = [
+    "N",
+    "method",
+    "lr factor",
+    "seeds",
+    "epochs to {t}",
+    "steps to {t}",
+    "epochs to {l}",
+    "final val_acc",
+    "best val_acc",
+]
+
+
+def _accuracy_plot(
+    runs: list[dict], sizes: list[int], path: Path, title: str, target: float, floor: float = 96.0
+) -> None:
+    """Validation accuracy (%) per epoch, one panel per N; values below ``floor`` are off the chart."""
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4 * len(sizes), 3.6), sharey=True, squeeze=False)
+    for ax, n in zip(axes[0], sizes, strict=True):
+        for r in (r for r in runs if r["np"] == n):
+            color, label = STYLE.get(r["method"], ("gray", r["method"]))
+            hist = r["history"]
+            ax.plot(
+                [h["epoch"] for h in hist],
+                [100 * h["val_acc"] for h in hist],
+                marker="o",
+                color=color,
+                linestyle="-" if r["seed"] == min(x["seed"] for x in runs) else "--",
+                label=f"{label}, seed {r['seed']}",
+            )
+        ax.axhline(100 * target, color="gray", linewidth=0.8, linestyle=":")
+        ax.set_title(f"N = {n}")
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(floor, 99.6)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation accuracy (%)")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    for ax in axes[0][:-1]:
+        h, lab = ax.get_legend_handles_labels()
+        for hh, ll in zip(h, lab, strict=True):
+            if ll not in labels:
+                handles.append(hh)
+                labels.append(ll)
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle(f"{title} (below {floor:g}%: off the chart, see the tables)")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _epochs_plot(real: list[dict], sim: list[dict], path: Path, target: float, cap_real: int, cap_sim: int):
+    """Epochs to ``target`` vs N: real processes (left) and simulated workers (right), mean over seeds.
+
+    Methods are shifted a little sideways so that equal values stay visible; a run group in which some
+    seed never reached the target is drawn as × above the cap. The N = 1 baseline starts every real line.
+    """
+    panels = [(p, r, c) for p, r, c in (("real processes", real, cap_real), ("simulated", sim, cap_sim)) if r]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=True, squeeze=False)
+    order = list(STYLE)
+    for ax, (title, runs, cap) in zip(axes[0], panels, strict=True):
+        by = _group(runs)
+        base = by.get((1, "baseline"), [])
+        for method in sorted({m for _, m in by if m != "baseline"}, key=order.index):
+            color, label = STYLE.get(method, ("gray", method))
+            shift = 2 ** (0.06 * (order.index(method) - 2.5))
+            groups = ([(1, base)] if base else []) + sorted(
+                (n, rs) for (n, m), rs in by.items() if m == method
+            )
+            xs, ys, missing = [], [], []
+            for n, rs in groups:
+                vals = [epochs_to(r["history"], target)[0] for r in rs]
+                if all(v is not None for v in vals):
+                    xs.append(n * shift)
+                    ys.append(statistics.mean(vals))
+                else:
+                    missing.append(n * shift)
+            ax.plot(xs, ys, marker="o", color=color, label=label)
+            if missing:
+                ax.scatter(missing, [cap + 0.5] * len(missing), marker="x", color=color, s=60)
+        ax.axhline(cap + 0.25, color="gray", linewidth=0.6, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers N (per-worker batch fixed)")
+        ax.set_title(f"{title} (cap {cap} epochs)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[0][0].set_ylabel(f"epochs to {100 * target:.1f}% (mean over seeds)")
+    axes[0][0].yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(f"Epochs to {100 * target:.1f}% validation accuracy (× above the line: not reached)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(directory: Path, quick: bool = False) -> Path:
+    """Write the Markdown report (and PNGs) from the results in ``directory``; returns its path."""
+    out_md = directory / "report.md" if quick else DOCS / "benchmarks.md"
+    fig_dir = directory if quick else DOCS
+    prefix = "" if quick else "benchmarks_"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    real = _load(directory, "study_real")
+    sim = _load(directory, "study_simulated")
+    val = _load(directory, "simulator_validation")
+    over = _load(directory, "overhead")
+    ared = _load(directory, "allreduce")
+    mem = _load(directory, "memory")
+    timings = _load(directory, "timings")
+    cfg = (real or sim or {}).get("config", {})
+    target, lower = cfg.get("target", 0.99), cfg.get("lower_target", 0.985)
+    t, lt = f"{100 * target:.1f}%", f"{100 * lower:.1f}%"
+    env = (real or sim or over or {}).get("environment", {})
+    md = [
+        "# Benchmarks: Adasum vs averaging, simulated workers, overhead" + (" (quick run)" if quick else ""),
+        "",
+        "Generated by `make bench` (" + ("`make bench-quick`, reduced" if quick else "full") + ") with "
+        "`benchmarks/` from the raw results in `benchmarks/results/"
+        + ("quick/" if quick else "")
+        + "*.json` (every run's per-epoch history, command line, seeds, versions and machine). Regenerate "
+        "the text and figures from those files with `python -m benchmarks --only report`.",
+        "",
+        f"Machine: {env.get('cpu_model', '?')}, {env.get('cpu_count', '?')} cores (shared with other work: "
+        "timings are noisy, so ratios are measured side by side in one run), "
+        f"{round(env.get('mem_total_kb', 0) / 2**20)} GiB; Python {env.get('python')}, "
+        f"torch {env.get('torch')}, "
+        f"pytorch-lightning {env.get('pytorch_lightning')}, Horovod {env.get('horovod')}, "
+        f"{env.get('mpirun')}; {env.get('date_utc')}.",
+        "",
+    ]
+    if timings:
+        parts = ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings["parts_s"].items())
+        md += [f"Wall time of this run: **{timings['total_s'] / 60:.1f} min** ({parts}).", ""]
+
+    # ------------------------------------------------------------------ real study
+    if real:
+        md += [
+            "## 1. Statistical efficiency on real MNIST (real processes)",
+            "",
+            "Model: the example's standard CNN (`MNISTNet`: conv 10, conv 20, fc 50, fc 10; "
+            "21,840 parameters) "
+            "**without dropout** (`benchmarks/common.py:BenchNet`, so that simulated and real runs can be "
+            f"compared exactly). Per-process batch {cfg['batch_size']}, SGD momentum 0.9, linear one-cycle "
+            "schedule (`OneCycleLR`, 18% warm-up from lr/25 to the peak, then linear down to lr/25000, no "
+            f"momentum cycling) over the epoch cap of **{cfg['epochs']} epochs**, stepped every optimizer "
+            "step (so its length in steps is cap × steps per epoch at that N). Training on the 60k split, "
+            "validation on the 10k test split after every epoch; a run stops at the first epoch whose "
+            f"validation accuracy reaches {t}. Ranks: `horovodrun -np N` on this machine (more processes "
+            "than cores for N = 4, 8; `--mca mpi_yield_when_idle 1`, one thread per process).",
+            "",
+            "### Baseline grid (1 process, seed " + str(cfg["seeds"][0]) + ")",
+            "",
+        ]
+        rows = []
+        for g in real["grid"]:
+            e, s = epochs_to(g["history"], target)
+            el, _ = epochs_to(g["history"], lower)
+            rows.append(
+                [
+                    f"{g['lr']:g}",
+                    "—" if e is None else e,
+                    "—" if s is None else s,
+                    "—" if el is None else el,
+                    ", ".join(f"{h['val_acc']:.4f}" for h in g["history"]),
+                    "**winner**" if g["lr"] == real["baseline_lr"] else "",
+                ]
+            )
+        md += [
+            _table(
+                ["peak lr", f"epochs to {t}", f"steps to {t}", f"epochs to {lt}", "val_acc per epoch", ""],
+                rows,
+            ),
+            "",
+            f"Winner (fewest epochs to {t}, then highest accuracy): **peak lr {real['baseline_lr']:g}**. "
+            "This learning rate is used unchanged by every `horovod_adasum` run; averaging multiplies it by "
+            "the factor shown.",
+            "",
+            "### Scaling: N = " + ", ".join(str(n) for n in cfg["sizes"]),
+            "",
+            "Averaging: lr × N over all seeds; lr × 1 and × √N on the first seed; the best of the three "
+            "(fewest epochs to the target, then accuracy) is repeated on the other seeds. "
+            "`—` = not reached within the cap.",
+            "",
+            _table(
+                [h.format(t=t, l=lt) for h in SCALING_HEADER],
+                _scaling_rows(_group(real["runs"]), target, lower),
+            ),
+            "",
+            f"![accuracy vs epoch]({prefix}accuracy_real.png)",
+            "",
+        ]
+        _accuracy_plot(
+            real["runs"],
+            cfg["sizes"],
+            fig_dir / f"{prefix}accuracy_real.png",
+            "Validation accuracy per epoch, real processes",
+            target,
+        )
+
+    # ------------------------------------------------------------------ simulated
+    if val:
+        md += [
+            "## 2. Simulated workers (`adasum_lightning.simulate`)",
+            "",
+            "### Validation against real Horovod",
+            "",
+            f"Same model, seed, data order and recipe as the study; real `horovodrun` jobs stop after "
+            f"{val['cases'][0]['steps']} optimizer steps and rank 0's parameters are compared with the "
+            "simulator's. Tolerance (also asserted by `tests/test_simulate.py` on a small model): 1e-5 of "
+            "the largest parameter magnitude.",
+            "",
+            _table(
+                [
+                    "N",
+                    "method",
+                    "steps",
+                    "max abs difference",
+                    "relative to max |θ|",
+                    "real job s",
+                    "simulated s",
+                ],
+                [
+                    [
+                        c["np"],
+                        c["method"],
+                        c["steps"],
+                        f"{c['max_abs_diff']:.3g}",
+                        f"{c['max_rel_diff']:.3g}",
+                        f"{c['real_job_wall_s']:.0f}",
+                        f"{c['simulate_s']:.0f}",
+                    ]
+                    for c in val["cases"]
+                ],
+            ),
+            "",
+        ]
+    if sim:
+        scfg = sim["config"]
+        md += [
+            "### Epochs to the target, N = " + ", ".join(str(n) for n in scfg["sim_sizes"]) + " (simulated)",
+            "",
+            f"Same recipe (peak lr {sim['baseline_lr']:g}, one-cycle over the cap of {scfg['sim_epochs']} "
+            f"epochs at that N), seeds {scfg['sim_seeds']}. Adasum lr × 1 (and × 2 on the first seed: "
+            "Horovod's Adasum guide suggests 2–2.5× on CPU); averaging lr × √N (and × N on the first seed). "
+            "A run stops when its training loss is no longer finite (diverged).",
+            "",
+            _table(
+                [h.format(t=t, l=lt) for h in SCALING_HEADER],
+                _scaling_rows(_group(sim["runs"]), target, lower),
+            ),
+            "",
+        ]
+        _accuracy_plot(
+            sim["runs"],
+            scfg["sim_sizes"],
+            fig_dir / f"{prefix}accuracy_simulated.png",
+            "Validation accuracy per epoch, simulated workers",
+            target,
+            floor=90.0,
+        )
+        md += ["![simulated accuracy](" + f"{prefix}accuracy_simulated.png)", ""]
+    if real or sim:
+        for tgt, name in ((target, "epochs_to_target"), (lower, "epochs_to_lower_target")):
+            _epochs_plot(
+                real["runs"] if real else [],
+                sim["runs"] if sim else [],
+                fig_dir / f"{prefix}{name}.png",
+                tgt,
+                cfg.get("epochs", 0),
+                (sim or {}).get("config", cfg).get("sim_epochs", 0),
+            )
+            md += [f"![epochs to target]({prefix}{name}.png)", ""]
+
+    # ------------------------------------------------------------------ overhead
+    if over:
+        md += [
+            "## 3. Overhead and cost",
+            "",
+            "### Lightning + `horovod_adasum` vs a raw Horovod loop",
+            "",
+            "Same processes, model (the example's `MNISTNet`, with dropout), batch 64 per process, data (the "
+            "example's `MNISTDataModule`, per-image torchvision transforms, a `DistributedSampler` shard per "
+            "rank), SGD lr 0.01 momentum 0.5, `op=hvd.Adasum`; one epoch; steps/s of rank 0 from step 10 to "
+            "the end of the epoch. Runs alternate Lightning, raw, Lightning, raw, … "
+            "(`benchmarks/throughput.py`).",
+            "",
+            _table(
+                [
+                    "N",
+                    "Lightning steps/s (median)",
+                    "raw steps/s (median)",
+                    "ratio of medians",
+                    "ratio per pair",
+                ],
+                [
+                    [
+                        s["np"],
+                        f"{s['lightning_steps_per_s_median']:.1f}",
+                        f"{s['raw_steps_per_s_median']:.1f}",
+                        f"**{s['ratio_of_medians']:.3f}**",
+                        ", ".join(f"{x:.3f}" for x in s["ratio_per_pair"]),
+                    ]
+                    for s in over["summary"]
+                ],
+            ),
+            "",
+        ]
+    if ared:
+        md += ["### Allreduce time: Adasum vs Average vs Sum (float32, CPU, MPI)", ""]
+        for job in ared["jobs"]:
+            rows = []
+            for r in job["results"]:
+                size = r["size_bytes"]
+                label = f"{size // 2**20} MB" if size >= 2**20 else f"{size // 2**10} KB"
+                m = r["median_s"]
+                rows.append(
+                    [
+                        label,
+                        r["rounds"],
+                        f"{1e3 * m['Adasum']:.3f}",
+                        f"{1e3 * m['Average']:.3f}",
+                        f"{1e3 * m['Sum']:.3f}",
+                        f"**{r['adasum_over_average']:.2f}**",
+                        f"{r['adasum_over_sum']:.2f}",
+                    ]
+                )
+            md += [
+                f"{job['world_size']} processes (`benchmarks/allreduce.py`, median of interleaved rounds):",
+                "",
+                _table(
+                    ["size", "rounds", "Adasum ms", "Average ms", "Sum ms", "Adasum/Average", "Adasum/Sum"],
+                    rows,
+                ),
+                "",
+            ]
+        _allreduce_plot(ared, fig_dir / f"{prefix}allreduce.png")
+        md += [f"![allreduce ratio]({prefix}allreduce.png)", ""]
+    if mem:
+        md += [
+            "### Peak memory per process (RSS)",
+            "",
+            "The example (`examples/mnist.py fit --config examples/mnist.yaml`, 1 epoch limited to "
+            f"{mem['config']['memory_batches']} batches) under each strategy; `ru_maxrss` of every rank "
+            "after `fit` (`benchmarks/rss_example.py`). Horovod's Adasum optimizer keeps one extra copy "
+            "of the parameters: 21,840 float32 = 87,360 bytes = 85 KiB for this model.",
+            "",
+            _table(
+                ["N", "strategy", "peak RSS per rank (MiB)", "mean (MiB)"],
+                [
+                    [
+                        r["np"],
+                        r["strategy"],
+                        ", ".join(f"{k / 1024:.0f}" for k in r["peak_rss_kb_per_rank"]),
+                        f"{statistics.mean(r['peak_rss_kb_per_rank']) / 1024:.1f}",
+                    ]
+                    for r in mem["runs"]
+                ],
+            ),
+            "",
+        ]
+    path = out_md
+    text = "\n".join(md) + "\n"
+    notes = DOCS / "benchmarks_notes.md"
+    if not quick and notes.exists():
+        text += "\n" + notes.read_text()
+    path.write_text(text)
+    return path
+
+
+def _allreduce_plot(ared: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for job, color in zip(ared["jobs"], ("tab:blue", "tab:purple", "tab:gray"), strict=False):
+        sizes = [r["size_bytes"] for r in job["results"]]
+        ax.plot(
+            sizes,
+            [r["adasum_over_average"] for r in job["results"]],
+            marker="o",
+            color=color,
+            label=f"Adasum / Average, {job['world_size']} processes",
+        )
+        ax.plot(
+            sizes,
+            [r["adasum_over_sum"] for r in job["results"]],
+            marker=".",
+            linestyle="--",
+            color=color,
+            label=f"Adasum / Sum, {job['world_size']} processes",
+        )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tensor size (bytes)")
+    ax.set_ylabel("time ratio (median)")
+    ax.set_title("Allreduce time ratio per tensor size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_report(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results")

@@ -1,0 +1,30 @@
+"""Run the MNIST example (``examples/mnist.py``) and record this process's peak RSS afterwards.
+
+usage: python -m benchmarks.rss_example OUT_DIR <examples/mnist.py arguments>
+Each rank writes ``OUT_DIR/rss_rank<r>.json``: ``{"rank", "peak_rss_kb"}`` (``ru_maxrss``, KiB on Linux).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+from adasum_lightning.environment import launcher_rank
+from benchmarks.common import ROOT  # noqa: F401  (puts examples/ on sys.path)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    from mnist import main as example_main
+
+    example_main(sys.argv[2:])
+    rank = launcher_rank()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rss_rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_kb": peak}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Training throughput of Lightning + ``horovod_adasum`` vs a raw Horovod loop (the seed script's logic).
+
+Same processes, model (the example's :class:`MNISTNet`), batch (64 per process), data (the example's
+:class:`MNISTDataModule`: torchvision MNIST, per-image ``ToTensor`` + ``Normalize``, a
+``DistributedSampler`` shard per rank) and optimizer (SGD lr 0.01, momentum 0.5, wrapped in
+``hvd.DistributedOptimizer(op=hvd.Adasum)``). One epoch; rank 0 times the steps from batch ``--skip``
+(fetched) to the end of the last step and writes steps/s to a JSON file.
+
+usage: python -m benchmarks.throughput OUT.json --impl raw|lightning [--skip K] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from benchmarks.common import MNISTDataModule, MNISTNet, data_dir
+
+BATCH, LR, MOMENTUM = 64, 0.01, 0.5
+
+
+def raw_loop(skip: int, seed: int) -> tuple[int, float]:
+    """The seed's Horovod MNIST training loop, one epoch: returns (timed steps, seconds)."""
+    hvd.init()
+    torch.manual_seed(seed)
+    data = MNISTDataModule(data_dir=data_dir(), batch_size=BATCH)
+    if hvd.local_rank() == 0:
+        data.prepare_data()
+    hvd.barrier()
+    data.setup("fit")
+    sampler = DistributedSampler(data.train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=seed)
+    sampler.set_epoch(0)
+    loader = DataLoader(data.train_set, batch_size=BATCH, sampler=sampler)
+    model = MNISTNet(lr=LR, momentum=MOMENTUM)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Adasum)
+    model.train()
+    start, steps = None, 0
+    for i, (x, y) in enumerate(loader):
+        if i == skip:
+            start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if start is not None:
+            steps += 1
+    return steps, time.perf_counter() - start
+
+
+def lightning_loop(skip: int, seed: int) -> tuple[int, float]:
+    """The same epoch through ``Trainer(strategy="horovod_adasum")``: returns (timed steps, seconds)."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback
+
+    import adasum_lightning  # noqa: F401
+
+    class Timer(Callback):
+        start, end, steps = None, None, 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == skip:
+                Timer.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if Timer.start is not None:
+                Timer.steps += 1
+                Timer.end = time.perf_counter()
+
+    pl.seed_everything(seed, verbose=False)
+    trainer = pl.Trainer(
+        strategy="horovod_adasum",
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Timer()],
+    )
+    trainer.fit(MNISTNet(lr=LR, momentum=MOMENTUM), MNISTDataModule(data_dir=data_dir(), batch_size=BATCH))
+    return Timer.steps, Timer.end - Timer.start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--impl", choices=["raw", "lightning"], required=True)
+    p.add_argument("--skip", type=int, default=10, help="untimed warm-up steps")
+    p.add_argument("--seed", type=int, default=42)
+    args = p.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    steps, seconds = (raw_loop if args.impl == "raw" else lightning_loop)(args.skip, args.seed)
+    per_rank = hvd.allgather_object((steps, seconds))
+    if hvd.rank() == 0:
+        result = {
+            "impl": args.impl,
+            "world_size": hvd.size(),
+            "steps": steps,
+            "seconds": seconds,
+            "steps_per_s": steps / seconds,
+            "per_rank": per_rank,
+            "batch_size": BATCH,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@
 #                 The wheel is cached per Horovod, torch, Python, build kind and patch: a second run
 #                 with the same key installs in seconds.
 #   --no-install  build (or find) the wheel and print its path, install nothing.
+#   HOROVOD_BUILD_JOBS=N  parallel compile jobs (default: the online CPU count).
 #
 # Both builds: PyTorch + MPI + Gloo, no TensorFlow or MXNet, --no-build-isolation against the
 # installed torch. Used by `make setup` here and by the Azure ML job image (with --gpu).
@@ -68,7 +69,8 @@ else
   else
     export HOROVOD_CPU_OPERATIONS=MPI HOROVOD_TORCH_FORCE_CPU=1 HOROVOD_WITHOUT_GPU=1
   fi
-  export MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}"
+  # Not nproc: it follows OMP_NUM_THREADS, which `make setup` sets to 1 for the training processes.
+  export MAKEFLAGS="-j${HOROVOD_BUILD_JOBS:-$(getconf _NPROCESSORS_ONLN)}"
   step "building the $kind wheel against torch $torch_version ($MAKEFLAGS; about 2 minutes on 2 cores)"
   mkdir -p "$wheel_dir"
   if ! "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$src" >"$work/build.log" 2>&1; then

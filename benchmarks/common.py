@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from examples.mnist import MNIST_MEAN, MNIST_STD, MNISTDataModule, MNISTNet
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from mnist import MNIST_MEAN, MNIST_STD, MNISTDataModule, MNISTNet  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_DATA = ROOT.parent / "shared" / "data"

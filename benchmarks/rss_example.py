@@ -12,12 +12,11 @@ import sys
 from pathlib import Path
 
 from adasum_lightning.environment import launcher_rank
-from benchmarks.common import ROOT  # noqa: F401  (puts examples/ on sys.path)
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    from mnist import main as example_main
+    from examples.mnist import main as example_main
 
     example_main(sys.argv[2:])
     rank = launcher_rank()

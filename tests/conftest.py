@@ -1,85 +1,13 @@
-"""Shared helpers: launch real multi-process jobs under ``horovodrun`` and collect every rank's results."""
+"""Fixtures shared by the test modules (helpers that are plain functions live in ``tests/helpers.py``)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKERS = Path(__file__).resolve().parent / "workers"
-SHARED_MNIST = ROOT.parent / "shared" / "data"
-
-
-def horovodrun_cmd(np: int, *, gloo: bool = False) -> list[str]:
-    """``horovodrun -np N -H localhost:N`` for this venv, with Open MPI yielding when idle."""
-    horovodrun = Path(sys.executable).with_name("horovodrun")
-    cmd = [str(horovodrun), "-np", str(np), "-H", f"localhost:{np}"]
-    if gloo:
-        cmd.append("--gloo")
-    else:
-        cmd += ["--mpi", "--mpi-args=--mca mpi_yield_when_idle 1"]
-    return cmd
-
-
-def mpi_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(WORKERS), os.environ.get("PYTHONPATH")) if p),
-    )
-    return env
-
-
-def run_horovod(
-    np: int, script: str | Path, *args: str, timeout: float = 240, gloo: bool = False, check: bool = True
-) -> subprocess.CompletedProcess:
-    """Run ``script`` (a path, or a file name under tests/workers) on ``np`` ranks; returns the result.
-
-    With ``check`` the call fails the test (showing the output's end) when the job exits non-zero.
-    """
-    path = Path(script) if os.sep in str(script) else WORKERS / script
-    cmd = horovodrun_cmd(np, gloo=gloo) + [sys.executable, str(path), *args]
-    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- output (end)\n"
-            f"{(proc.stdout + proc.stderr)[-6000:]}"
-        )
-    return proc
-
-
-def load_ranks(out: Path, np: int) -> list[dict]:
-    """The ``rank{r}.pt`` files every rank wrote, in rank order (fails if one is missing)."""
-    missing = [r for r in range(np) if not (out / f"rank{r}.pt").exists()]
-    assert not missing, f"ranks {missing} wrote no result in {out}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
-
-
-def quick_fit(model, strategy="horovod_adasum", limit_train_batches: int = 2, **trainer_kwargs):
-    """One short CPU epoch in this process (world size 1), without logger, progress bar or checkpoints."""
-    import pytorch_lightning as pl
-
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=limit_train_batches,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-        **trainer_kwargs,
-    )
-    trainer.fit(model)
-    return trainer
+from tests.helpers import SHARED_MNIST
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-from aml_support import no_network  # noqa: F401  (fixture)
-from conftest import ROOT
 
 from adasum_lightning.aml import cli
 from adasum_lightning.aml.job import (
@@ -22,6 +20,8 @@ from adasum_lightning.aml.job import (
     lookup_vm_size,
 )
 from adasum_lightning.aml.workspace import check_network, find_config_file, load_workspace_config, redact
+from tests.aml_support import no_network  # noqa: F401  (fixture)
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

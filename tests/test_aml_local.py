@@ -6,17 +6,14 @@ import csv
 import sys
 
 import pytest
-from aml_support import no_network  # noqa: F401  (fixture)
-from conftest import ROOT
 
 from adasum_lightning.aml import cli
 from adasum_lightning.aml.job import AmlJob
 from adasum_lightning.aml.local import local_command
+from examples import mnist
+from tests.aml_support import no_network  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("no_network")
-
-sys.path.insert(0, str(ROOT / "examples"))
-import mnist  # noqa: E402
 
 
 def test_local_command_is_the_job_command_plus_cpu_overrides(tmp_path):

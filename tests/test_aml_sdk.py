@@ -9,13 +9,13 @@ from unittest.mock import create_autospec
 
 import pytest
 import yaml
-from aml_support import no_network  # noqa: F401  (fixture)
-from conftest import ROOT
 
 from adasum_lightning.aml import cli, sdk_v1, sdk_v2
 from adasum_lightning.aml.job import AmlJob, AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.staging import TORCH_VERSION, TORCHVISION_VERSION, stage_job
 from adasum_lightning.aml.workspace import WorkspaceConfig
+from tests.aml_support import no_network  # noqa: F401  (fixture)
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.usefixtures("no_network")
 azureml_core = pytest.importorskip("azureml.core", reason="pip install -e '.[aml]'")

@@ -8,11 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_horovod
-
-sys.path.insert(0, str(ROOT / "examples"))
-from mnist import MNISTDataModule  # noqa: E402
 from torchvision import datasets  # noqa: E402
+
+from examples.mnist import MNISTDataModule  # noqa: E402
+from tests.helpers import ROOT, run_horovod
 
 FILES = [name for name, _ in datasets.MNIST.resources]
 

@@ -1,22 +1,18 @@
 """Real multi-process runs under horovodrun (Open MPI, CPU): every rank's result is checked."""
 
-import sys
-
 import pytest
 import torch
-from conftest import WORKERS, load_ranks, run_horovod
 
 from adasum_lightning.ops import adasum
-
-sys.path.insert(0, str(WORKERS))
-from tiny import tiny_net  # noqa: E402
+from tests.helpers import load_ranks, run_horovod
+from tests.workers.tiny import tiny_net  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("np", [2, 4])
 def test_adasum_allreduce_equals_the_reference(np, tmp_path):
-    run_horovod(np, "collectives.py", str(tmp_path))
+    run_horovod(np, "collectives", str(tmp_path))
     ranks = load_ranks(tmp_path, np)
     for r, res in enumerate(ranks):
         assert (res["rank"], res["size"]) == (r, np)
@@ -57,7 +53,7 @@ def assert_disjoint_shards(ranks, n, epochs):
 @pytest.fixture(scope="module")
 def adasum_2ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("adasum2")
-    run_horovod(2, "fit.py", str(out), "--epochs", "2", "--scheduler", "onecycle")
+    run_horovod(2, "fit", str(out), "--epochs", "2", "--scheduler", "onecycle")
     return out, load_ranks(out, 2)
 
 
@@ -76,7 +72,7 @@ def test_fit_two_ranks_identical_parameters_and_own_shards(adasum_2ranks):
 
 @pytest.mark.parametrize(("strategy", "factor"), [("horovod_adasum", 1), ("horovod", 4)])
 def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, tmp_path):
-    run_horovod(4, "fit.py", str(tmp_path), "--strategy", strategy, "--lr", "0.05", "--scheduler", "step")
+    run_horovod(4, "fit", str(tmp_path), "--strategy", strategy, "--lr", "0.05", "--scheduler", "step")
     ranks = load_ranks(tmp_path, 4)
     for res in ranks:
         assert res["world_size"] == 4
@@ -90,7 +86,7 @@ def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, tmp
 
 def test_one_step_is_the_adasum_of_the_local_sgd_deltas(tmp_path):
     lr, momentum = 0.1, 0.5
-    run_horovod(2, "fit.py", str(tmp_path), "--max-steps", "1", "--lr", str(lr))
+    run_horovod(2, "fit", str(tmp_path), "--max-steps", "1", "--lr", str(lr))
     ranks = load_ranks(tmp_path, 2)
     start = {k.removeprefix("net."): v for k, v in ranks[0]["start"].items()}
     deltas = []
@@ -122,7 +118,7 @@ def test_resume_from_rank_zero_checkpoint(adasum_2ranks, tmp_path):
     assert [c.name for c in ckpts] == ["epoch=1-step=16.ckpt"]
     ckpt = torch.load(ckpts[0], weights_only=False)
     run_horovod(
-        2, "fit.py", str(tmp_path), "--epochs", "3", "--scheduler", "onecycle", "--ckpt-path", str(ckpts[0])
+        2, "fit", str(tmp_path), "--epochs", "3", "--scheduler", "onecycle", "--ckpt-path", str(ckpts[0])
     )
     ranks = load_ranks(tmp_path, 2)
     saved_state = ckpt["optimizer_states"][0]["state"]

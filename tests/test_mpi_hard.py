@@ -1,12 +1,10 @@
 """Misuse refused on every rank before step 1, Adasum's hard cases, and faults — real horovodrun jobs."""
 
 import re
-import sys
 import time
 
 import pytest
 import torch
-from conftest import WORKERS, load_ranks, run_horovod
 
 from adasum_lightning.ops import adasum
 from adasum_lightning.validation import (
@@ -16,9 +14,8 @@ from adasum_lightning.validation import (
     check_gradient_clipping,
     check_world_size,
 )
-
-sys.path.insert(0, str(WORKERS))
-from tiny import tiny_net  # noqa: E402
+from tests.helpers import load_ranks, run_horovod
+from tests.workers.tiny import tiny_net  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -53,7 +50,7 @@ def assert_ranks_identical(ranks, key="end"):
 # ---------------------------------------------------------------- refused at setup, on every rank
 def test_three_processes_are_refused_quickly(tmp_path):
     start = time.monotonic()
-    proc = run_horovod(3, "fit.py", str(tmp_path), check=False, timeout=120)
+    proc = run_horovod(3, "fit", str(tmp_path), check=False, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0 and elapsed < 60, (proc.returncode, elapsed)
     message = expected_message(check_world_size, 3)
@@ -63,7 +60,7 @@ def test_three_processes_are_refused_quickly(tmp_path):
 
 
 def test_gloo_controller_is_refused_for_adasum(tmp_path):
-    proc = run_horovod(2, "fit.py", str(tmp_path), gloo=True, check=False, timeout=120)
+    proc = run_horovod(2, "fit", str(tmp_path), gloo=True, check=False, timeout=120)
     assert proc.returncode != 0
     message = expected_message(check_controller, mpi_built=True, mpi_enabled=False, gloo_enabled=True)
     assert "needs the MPI controller, but this job runs under Gloo (horovodrun --gloo)" in message
@@ -71,7 +68,7 @@ def test_gloo_controller_is_refused_for_adasum(tmp_path):
 
 
 def test_gloo_controller_still_trains_with_averaging(tmp_path):
-    run_horovod(2, "fit.py", str(tmp_path), "--strategy", "horovod", gloo=True)
+    run_horovod(2, "fit", str(tmp_path), "--strategy", "horovod", gloo=True)
     ranks = load_ranks(tmp_path, 2)
     assert all(res["global_step"] == 16 for res in ranks)
     assert_ranks_identical(ranks)
@@ -80,14 +77,14 @@ def test_gloo_controller_still_trains_with_averaging(tmp_path):
 @pytest.mark.parametrize("strategy", ["horovod_adasum", "horovod"])
 def test_gloo_cpu_operations_under_mpi_are_refused(strategy, tmp_path, monkeypatch):
     monkeypatch.setenv("HOROVOD_CPU_OPERATIONS", "gloo")
-    proc = run_horovod(2, "fit.py", str(tmp_path), "--strategy", strategy, check=False, timeout=120)
+    proc = run_horovod(2, "fit", str(tmp_path), "--strategy", strategy, check=False, timeout=120)
     assert proc.returncode != 0
     message = expected_message(check_cpu_operations, mpi_enabled=True, cpu_operations="gloo")
     assert_every_rank_says(proc, 2, message)
 
 
 def test_norm_clipping_is_refused_on_every_rank(tmp_path):
-    proc = run_horovod(2, "fit.py", str(tmp_path), "--clip-value", "1.0", check=False, timeout=120)
+    proc = run_horovod(2, "fit", str(tmp_path), "--clip-value", "1.0", check=False, timeout=120)
     assert proc.returncode != 0
     message = expected_message(check_gradient_clipping, 1.0, None)
     assert "cannot clip gradients by norm (gradient_clip_val=1.0)" in message
@@ -114,7 +111,7 @@ def strip(state):
 
 
 def test_bf16_mixed_trains_identically(tmp_path):
-    run_horovod(2, "fit.py", str(tmp_path), "--precision", "bf16-mixed")
+    run_horovod(2, "fit", str(tmp_path), "--precision", "bf16-mixed")
     ranks = load_ranks(tmp_path, 2)
     assert all(res["global_step"] == 16 for res in ranks)
     assert_ranks_identical(ranks)
@@ -124,8 +121,8 @@ def test_bf16_mixed_trains_identically(tmp_path):
 def test_fp16_compression_matches_fp32_within_fp16_tolerance(tmp_path):
     fp32, fp16 = tmp_path / "fp32", tmp_path / "fp16"
     fp32.mkdir(), fp16.mkdir()
-    run_horovod(2, "fit.py", str(fp32), "--max-steps", "3")
-    run_horovod(2, "fit.py", str(fp16), "--max-steps", "3", "--compression", "fp16")
+    run_horovod(2, "fit", str(fp32), "--max-steps", "3")
+    run_horovod(2, "fit", str(fp16), "--max-steps", "3", "--compression", "fp16")
     a, b = load_ranks(fp32, 2), load_ranks(fp16, 2)
     assert_ranks_identical(b)
     for name, tensor in a[0]["end"].items():
@@ -139,7 +136,7 @@ def test_value_clipping_takes_effect_before_the_local_step(tmp_path):
     lr, clip, scale = 1.0, 0.001, 1e4  # a huge loss: unclipped deltas would be ~1e4 larger
     run_horovod(
         2,
-        "fit.py",
+        "fit",
         str(tmp_path),
         "--max-steps",
         "1",
@@ -168,7 +165,7 @@ def test_value_clipping_takes_effect_before_the_local_step(tmp_path):
 
 def test_zero_update_on_one_rank_gives_the_other_ranks_update(tmp_path):
     lr = 0.1
-    run_horovod(2, "fit.py", str(tmp_path), "--max-steps", "1", "--lr", str(lr), "--zero-loss-rank", "0")
+    run_horovod(2, "fit", str(tmp_path), "--max-steps", "1", "--lr", str(lr), "--zero-loss-rank", "0")
     ranks = load_ranks(tmp_path, 2)
     start = strip(ranks[0]["start"])
     delta1 = local_sgd_delta(start, ranks[1]["batches"][:1], lr)
@@ -179,7 +176,7 @@ def test_zero_update_on_one_rank_gives_the_other_ranks_update(tmp_path):
 
 
 def test_frozen_parameters_and_parameters_without_gradient(tmp_path):
-    run_horovod(2, "fit.py", str(tmp_path), "--model", "frozen_branch", "--epochs", "2")
+    run_horovod(2, "fit", str(tmp_path), "--model", "frozen_branch", "--epochs", "2")
     ranks = load_ranks(tmp_path, 2)
     assert_ranks_identical(ranks)
     for res in ranks:
@@ -193,7 +190,7 @@ def test_frozen_parameters_and_parameters_without_gradient(tmp_path):
 
 
 def test_two_optimizers_with_manual_optimization(tmp_path):
-    run_horovod(2, "fit.py", str(tmp_path), "--model", "two_optimizers", "--epochs", "2")
+    run_horovod(2, "fit", str(tmp_path), "--model", "two_optimizers", "--epochs", "2")
     ranks = load_ranks(tmp_path, 2)
     assert_ranks_identical(ranks)
     assert all(res["global_step"] == 32 for res in ranks)  # 8 batches × 2 epochs × 2 optimizer steps
@@ -203,7 +200,7 @@ def test_two_optimizers_with_manual_optimization(tmp_path):
 
 def test_accumulation_window_is_one_local_step_then_one_reduction(tmp_path):
     lr = 0.1
-    run_horovod(2, "fit.py", str(tmp_path), "--max-steps", "1", "--lr", str(lr), "--accumulate", "3")
+    run_horovod(2, "fit", str(tmp_path), "--max-steps", "1", "--lr", str(lr), "--accumulate", "3")
     ranks = load_ranks(tmp_path, 2)
     start = strip(ranks[0]["start"])
     deltas = [local_sgd_delta(start, res["batches"][:3], lr) for res in ranks]
@@ -216,7 +213,7 @@ def test_accumulation_window_is_one_local_step_then_one_reduction(tmp_path):
 
 def test_accumulation_partial_window_at_epoch_end(tmp_path):
     # 80 samples / 2 ranks / batch 4 = 10 batches per epoch = windows of 3 + 3 + 3 + 1.
-    run_horovod(2, "fit.py", str(tmp_path), "--samples", "80", "--epochs", "3", "--accumulate", "3")
+    run_horovod(2, "fit", str(tmp_path), "--samples", "80", "--epochs", "3", "--accumulate", "3")
     ranks = load_ranks(tmp_path, 2)
     assert_ranks_identical(ranks)
     for res in ranks:
@@ -226,7 +223,7 @@ def test_accumulation_partial_window_at_epoch_end(tmp_path):
 
 
 def test_schedulers_step_alike_and_are_not_scaled(tmp_path):
-    run_horovod(2, "fit.py", str(tmp_path), "--scheduler", "step", "--epochs", "3", "--lr", "0.2")
+    run_horovod(2, "fit", str(tmp_path), "--scheduler", "step", "--epochs", "3", "--lr", "0.2")
     ranks = load_ranks(tmp_path, 2)
     for res in ranks:
         assert res["base_lrs"] == [pytest.approx(0.2)]
@@ -239,7 +236,7 @@ def test_a_killed_rank_ends_the_job_quickly(tmp_path):
     start = time.monotonic()
     proc = run_horovod(
         2,
-        "fit.py",
+        "fit",
         str(tmp_path),
         "--epochs",
         "50",

@@ -1,18 +1,14 @@
 """The in-process simulator (adasum_lightning.simulate): arithmetic, errors, and a match with real Horovod."""
 
-import sys
-
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from conftest import WORKERS, run_horovod
 
 from adasum_lightning.ops import adasum
 from adasum_lightning.simulate import simulate, steps_per_epoch
-
-sys.path.insert(0, str(WORKERS))
-from sim_match import BATCH, LR, SimNet, teacher_data  # noqa: E402
+from tests.helpers import run_horovod
+from tests.workers.sim_match import BATCH, LR, SimNet, teacher_data  # noqa: E402
 
 # Measured difference between simulated and real parameters after 300 steps (torch 2.14.1, Horovod 0.28.1,
 # Open MPI 4.1.4): 0 (bitwise equal) for Adasum at 2 and 4 ranks (and for averaging at 4 ranks, checked by
@@ -138,7 +134,7 @@ def test_history_target_and_errors():
 def test_simulation_matches_real_horovod_after_300_steps(np, strategy, tmp_path):
     out = tmp_path / "rank0.pt"
     run_horovod(
-        np, "sim_match.py", str(out), "--strategy", strategy, "--steps", "300", "--seed", "7", timeout=120
+        np, "sim_match", str(out), "--strategy", strategy, "--steps", "300", "--seed", "7", timeout=120
     )
     real = torch.load(out, weights_only=False)
     assert real["global_step"] == 300 and real["world_size"] == np and real["sampler_seed"] == 7

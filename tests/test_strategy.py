@@ -6,14 +6,12 @@ import sys
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import WORKERS, mpi_env, quick_fit
 
 import adasum_lightning
 from adasum_lightning import HorovodAdasumStrategy, HorovodStrategy
 from adasum_lightning.environment import HorovodEnvironment
-
-sys.path.insert(0, str(WORKERS))
-from tiny import TinyModule  # noqa: E402
+from tests.helpers import mpi_env, quick_fit
+from tests.workers.tiny import TinyModule  # noqa: E402
 
 
 def test_import_registers_both_names():

@@ -6,7 +6,6 @@ import sys
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import WORKERS, mpi_env, quick_fit
 
 from adasum_lightning import HorovodAdasumStrategy, HorovodStrategy
 from adasum_lightning.ops import is_power_of_two
@@ -22,9 +21,8 @@ from adasum_lightning.validation import (
     check_world_size,
     nearest_powers_of_two,
 )
-
-sys.path.insert(0, str(WORKERS))
-from tiny import TinyModule  # noqa: E402
+from tests.helpers import mpi_env, quick_fit
+from tests.workers.tiny import TinyModule  # noqa: E402
 
 
 @pytest.mark.parametrize("size", range(1, 70))

@@ -10,9 +10,9 @@ from pathlib import Path
 import horovod.torch as hvd
 import pytorch_lightning as pl
 import torch
-from tiny import MODULES
 
 import adasum_lightning
+from tests.workers.tiny import MODULES
 
 p = argparse.ArgumentParser()
 p.add_argument("out")

@@ -12,7 +12,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test lint bench bench-quick clean
+.PHONY: setup demo test test-compat lint bench bench-quick clean
 
 setup:
 	@bash .ci/setup.sh "$(PYTHON)" "$(VENV)"
@@ -27,6 +27,12 @@ demo: setup
 
 test: setup
 	@$(PY) -m pytest -ra
+
+# The strategy, validation and multi-process tests against the oldest supported pytorch-lightning and the
+# unified `lightning` package, each in its own environment (.venv-compat-*) that reuses the cached Horovod wheel.
+test-compat: setup
+	@bash .ci/compat.sh pl24 "pytorch-lightning==2.4.0" pytorch_lightning "$(PYTHON)"
+	@bash .ci/compat.sh lightning "lightning==2.6.6" lightning.pytorch "$(PYTHON)"
 
 lint: setup
 	@$(VENV)/bin/ruff check adasum_lightning examples tests benchmarks

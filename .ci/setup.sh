@@ -32,8 +32,8 @@ stamp="$venv/.setup-$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && "$vpy" -c 'import torchvision, adasum_lightning' 2>/dev/null; then
   step "torch $("$vpy" -c 'import torch; print(torch.__version__)') and the project already installed"
 else
-  step "installing torch==2.14.1 torchvision==0.29.1 and the project with its dev and Azure ML (aml, aml-v2) extras"
-  "$vpy" -m pip install -q --disable-pip-version-check torch==2.14.1 torchvision==0.29.1 -e ".[dev,aml,aml-v2]" \
+  step "installing torch==2.14.1 torchvision==0.29.1 and the project with its dev, examples and Azure ML (aml, aml-v2) extras"
+  "$vpy" -m pip install -q --disable-pip-version-check torch==2.14.1 torchvision==0.29.1 -e ".[dev,examples,aml,aml-v2]" \
     2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" -e "return '\\\\n'.join" >&2)
   rm -f "$venv"/.setup-*
   touch "$stamp"

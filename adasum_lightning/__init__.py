@@ -1,35 +1,61 @@
-"""adasum-lightning: Horovod's Adasum as a PyTorch Lightning 2.x strategy.
+"""adasum-lightning: Adasum (adaptive summation) as PyTorch Lightning 2.x strategies.
 
-``import adasum_lightning`` registers two strategy names with Lightning's registry:
+``import adasum_lightning`` registers three strategy names with Lightning's ``StrategyRegistry`` — with
+``pytorch_lightning``'s and with ``lightning.pytorch``'s, each as soon as that package is imported:
 
-- ``"horovod_adasum"``: :class:`HorovodAdasumStrategy` (Adasum of parameter deltas, no learning-rate
-  scaling by world size);
-- ``"horovod"``: :class:`HorovodStrategy` (gradient averaging, learning rate × world size, as in
-  pytorch-lightning 1.x).
+- ``"horovod_adasum"``: :class:`HorovodAdasumStrategy` — Horovod's Adasum of parameter deltas, launched by
+  ``horovodrun``/``mpirun``; no learning-rate scaling by world size;
+- ``"horovod"``: :class:`HorovodStrategy` — Horovod gradient averaging, learning rate × world size
+  (pytorch-lightning 1.x's ``strategy="horovod"``);
+- ``"ddp_adasum"``: :class:`DDPAdasumStrategy` — Adasum of parameter deltas on ``torch.distributed``,
+  launched by Lightning itself, ``torchrun``, SLURM or Azure ML; no Horovod needed.
 
-Importing does not initialise Horovod; that happens when ``Trainer.fit`` starts.
+The strategy classes exist once per Lightning package (see :mod:`adasum_lightning._namespaces`):
+``adasum_lightning.pytorch_lightning.X`` for ``pytorch_lightning.Trainer`` and
+``adasum_lightning.lightning.X`` for ``lightning.pytorch.Trainer``. A bare ``adasum_lightning.X`` is the
+one for the package this process has imported. Importing this package imports neither Lightning package
+nor Horovod, and initialises nothing.
 """
 
-from pytorch_lightning.strategies import StrategyRegistry
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from __future__ import annotations
 
-from adasum_lightning.environment import HorovodEnvironment, launcher_rank
+from typing import Any
+
+from adasum_lightning import _namespaces
+from adasum_lightning.allreduce import adasum_allreduce
+from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.ops import adasum, adasum_reduce
-from adasum_lightning.strategy import HorovodAdasumStrategy, HorovodStrategy
 
-__version__ = "0.1.0"
-__all__ = [
-    "HorovodAdasumStrategy",
-    "HorovodStrategy",
-    "HorovodEnvironment",
-    "adasum",
-    "adasum_reduce",
-]
+__version__ = "0.2.0"
 
-HorovodStrategy.register_strategies(StrategyRegistry)
-HorovodAdasumStrategy.register_strategies(StrategyRegistry)
+#: Names resolved to the strategies of the Lightning package in use (see :func:`_namespaces.resolve`).
+_PER_PACKAGE = ("HorovodAdasumStrategy", "HorovodStrategy", "DDPAdasumStrategy", "HorovodEnvironment")
 
-# Lightning reads RANK/LOCAL_RANK/… at import; under mpirun only OMPI_* are set, so every rank would
-# print rank-zero messages until fit starts. Take the launcher's rank now (no Horovod initialisation).
-if launcher_rank() != 0:
-    rank_zero_only.rank = launcher_rank()
+__all__ = [*_PER_PACKAGE, "adasum", "adasum_allreduce", "adasum_reduce"]
+
+if not _namespaces.installed():
+    raise ImportError(_namespaces.missing_lightning_message())
+
+_namespaces.register_when_imported()
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PER_PACKAGE:
+        return getattr(_namespaces.strategies_for(_namespaces.resolve()), name)
+    raise AttributeError(f"module 'adasum_lightning' has no attribute {name!r}")
+
+
+def _set_rank_zero_from_launcher() -> None:
+    # Lightning reads RANK/LOCAL_RANK/… when it is imported; under mpirun only OMPI_* are set, so every rank
+    # would print rank-zero messages until fit starts. Both Lightning packages share lightning_utilities'
+    # ``rank_zero_only``: give it the launcher's rank once it is imported (no Horovod initialisation).
+    import wrapt
+
+    rank = launcher_rank()
+    if rank != 0:
+        wrapt.register_post_import_hook(
+            lambda module: setattr(module.rank_zero_only, "rank", rank), "lightning_utilities.core.rank_zero"
+        )
+
+
+_set_rank_zero_from_launcher()

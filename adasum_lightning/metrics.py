@@ -1,45 +1,31 @@
-"""torchmetrics over Horovod.
+"""torchmetrics under the Horovod strategies: nothing to do any more.
 
-torchmetrics synchronises metric states with ``torch.distributed``, which Horovod does not initialise;
-without help each rank would report the metric of its own shard only. Pass these keyword arguments to a
-metric to gather its states with Horovod instead::
+The strategies run a ``torch.distributed`` process group beside Horovod, so torchmetrics synchronises metric
+states the way it does under DDP (its default ``gather_all_tensors``, which also pads states whose sizes
+differ per rank, e.g. ``CatMetric`` or ``BinaryAUROC``). Plain metrics work::
 
-    from adasum_lightning.metrics import horovod_sync_kwargs
-    self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10, **horovod_sync_kwargs())
+    self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10)
+
+:func:`horovod_sync_kwargs` is kept for code written for adasum-lightning 0.1, which had to pass it.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-import torch
-
-
-def _horovod_ready():
-    try:
-        import horovod.torch as hvd
-    except ImportError:
-        return None
-    return hvd if hvd.is_initialized() and hvd.size() > 1 else None
-
-
-def horovod_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-    """Gather one tensor of shape ``S`` from every rank: a list of ``world_size`` tensors of shape ``S``.
-
-    The signature is torchmetrics' ``dist_sync_fn``; ``group`` must be None (the global process set).
-    Shapes must match across ranks (true for states of fixed size such as Accuracy's counts).
-    """
-    hvd = _horovod_ready()
-    if hvd is None:
-        return [tensor]
-    if group is not None:
-        raise ValueError("horovod_gather supports the global process set only (group=None)")
-    return list(hvd.allgather(tensor.unsqueeze(0)).unbind(0))
+__all__ = ["horovod_sync_kwargs"]
 
 
 def horovod_sync_kwargs() -> dict[str, Any]:
-    """``dist_sync_fn`` and ``distributed_available_fn`` for a torchmetrics ``Metric`` under Horovod."""
-    return {
-        "dist_sync_fn": horovod_gather,
-        "distributed_available_fn": lambda: _horovod_ready() is not None,
-    }
+    """Deprecated: returns ``{}`` (torchmetrics' default sync is right under every strategy of this project).
+
+    Emits a ``DeprecationWarning``; passing the result to a metric changes nothing.
+    """
+    warnings.warn(
+        "adasum_lightning.metrics.horovod_sync_kwargs() is no longer needed: torchmetrics synchronises over "
+        "the torch.distributed process group the Horovod strategies create. Drop **horovod_sync_kwargs().",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return {}

@@ -58,10 +58,9 @@ Measured against real ``horovodrun`` jobs (``tests/test_simulate.py``, ``docs/be
 from __future__ import annotations
 
 import math
-import numbers
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -69,17 +68,14 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from pytorch_lightning.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm.auto import tqdm
 
+from adasum_lightning.learning_rate import scale_learning_rates
 from adasum_lightning.ops import adasum_reduce, is_power_of_two
+from adasum_lightning.pytorch_lightning._compat import configure_optimizers, configure_schedulers
 
 __all__ = ["simulate", "evaluate_classifier", "SimulationResult", "scale_learning_rates", "steps_per_epoch"]
-
-# Param-group keys that hold a learning rate (as in the strategies): "lr", and the copies LR schedulers
-# keep ("initial_lr" for every LRScheduler, "max_lr"/"min_lr" for OneCycleLR).
-_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 
 
 @dataclass
@@ -120,23 +116,6 @@ def steps_per_epoch(num_samples: int, num_workers: int, batch_size: int) -> int:
     return math.ceil(math.ceil(num_samples / num_workers) / batch_size)
 
 
-def scale_learning_rates(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], factor: float) -> None:
-    """Multiply every learning rate of ``optimizer`` and its ``schedulers`` by ``factor``, once.
-
-    The same policy as the strategies' ``lr_scaling``: each param group's ``lr``, ``initial_lr``,
-    ``max_lr`` and ``min_lr`` (when present) and each scheduler's ``base_lrs``.
-    """
-    if factor == 1.0:
-        return
-    for group in optimizer.param_groups:
-        for key in _LR_KEYS:
-            if isinstance(group.get(key), numbers.Real):
-                group[key] = group[key] * factor
-    for scheduler in schedulers:
-        if hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-
-
 @torch.no_grad()
 def evaluate_classifier(
     module: torch.nn.Module, dataset: Dataset, batch_size: int = 1000
@@ -175,15 +154,15 @@ class _Worker:
     def __init__(self, module: pl.LightningModule, lr_factor: float) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
+            optimizers, schedulers, monitor = configure_optimizers(module.configure_optimizers())
         if len(optimizers) != 1:
             raise ValueError(f"simulate supports one optimizer, configure_optimizers gave {len(optimizers)}")
-        self.configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+        self.configs = configure_schedulers(schedulers, monitor)
         for config in self.configs:
             if config.reduce_on_plateau:
                 raise ValueError("simulate does not support ReduceLROnPlateau schedulers")
         self.optimizer = optimizers[0]
-        scale_learning_rates(self.optimizer, [c.scheduler for c in self.configs], lr_factor)
+        scale_learning_rates([self.optimizer], [c.scheduler for c in self.configs], lr_factor)
         self.buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
 
     def step_schedulers(self, interval: str, count: int) -> None:

@@ -18,8 +18,8 @@ import pickle
 from collections.abc import Iterable, Sequence
 
 import torch
-from lightning_fabric.utilities.exceptions import MisconfigurationException
 
+from adasum_lightning.launchers import SeenLauncher
 from adasum_lightning.ops import is_power_of_two
 
 __all__ = [
@@ -33,13 +33,21 @@ __all__ = [
     "check_gradient_clipping",
     "check_gradient_predivide_factor",
     "check_single_device",
+    "check_launch",
+    "check_closure_optimizers",
+    "check_horovod_dtypes",
+    "check_sync_batchnorm",
     "unreadable_checkpoint",
     "CHECKPOINT_READ_ERRORS",
 ]
 
 
-class AdasumConfigurationError(MisconfigurationException):
-    """A configuration that Horovod's Adasum cannot run correctly; the message names the fix."""
+class AdasumConfigurationError(ValueError):
+    """A configuration the strategy cannot run correctly; the message names the fix.
+
+    A ``ValueError`` (not Lightning's ``MisconfigurationException``) so that it is the same class whichever
+    Lightning package is in use.
+    """
 
 
 def nearest_powers_of_two(n: int) -> list[int]:
@@ -224,6 +232,118 @@ def check_single_device(tensors: Iterable[torch.Tensor]) -> None:
             f"Horovod strategies run one process per device, but this module's parameters span {devices}. "
             "Keep the whole module on one device (Lightning moves it to cuda:<local rank> or cpu) and start "
             "one process per GPU with horovodrun."
+        )
+
+
+def check_launch(horovod_size: int, launcher: SeenLauncher | None, requested_devices: int) -> None:
+    """A Horovod strategy in a process that Horovod sees alone, though more were meant to train together.
+
+    Horovod learns its world from an MPI or Horovod launcher. Under ``torchrun``, SLURM's ``srun`` or plain
+    ``python`` each process is a world of 1 and would train alone, every one of them as "rank 0" writing the
+    same files. Checked right after ``hvd.init()``, before any collective.
+
+    Args:
+        horovod_size: ``hvd.size()``.
+        launcher: :func:`adasum_lightning.launchers.seen_launcher` (None for a plain start).
+        requested_devices: the number of devices the ``Trainer`` was given (``devices=N``).
+
+    Raises:
+        AdasumConfigurationError: Horovod sees a world of 1 while the launcher started N > 1 processes, or
+            while ``devices`` asks for N > 1; the message names the launcher seen and ``horovodrun -np N``.
+    """
+    if horovod_size != 1:
+        return
+    if launcher is not None and launcher.processes > 1:
+        raise AdasumConfigurationError(
+            f"{launcher.name} started {launcher.processes} processes "
+            f"({launcher.variable}={launcher.processes}), but Horovod sees a world of 1 in each, so each "
+            "would train alone. Horovod strategies need an MPI "
+            f"launcher: `horovodrun -np {launcher.processes} python SCRIPT ...` (or `mpirun -np "
+            f"{launcher.processes} ...`), or use strategy='ddp_adasum', which {launcher.name} can start."
+        )
+    if requested_devices > 1:
+        seen = "no launcher (a plain `python` start)" if launcher is None else launcher.name
+        raise AdasumConfigurationError(
+            f"Trainer(devices={requested_devices}) asks for {requested_devices} devices, but this process "
+            "was "
+            f"started by {seen} and Horovod sees a world of 1; Horovod strategies never start processes "
+            f"themselves. Launch `horovodrun -np {requested_devices} python SCRIPT ...` with devices=1 (one "
+            "process per device), or use strategy='ddp_adasum', which starts the processes itself."
+        )
+
+
+def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Sequence[str]) -> None:
+    """``horovod_adasum`` cannot run an optimizer whose ``step`` requires a closure (e.g. ``LBFGS``).
+
+    Horovod's Adasum optimizer runs the wrapped optimizer's ``step()`` inside the backward hook of each
+    parameter, without a closure (``horovod/torch/optimizer.py``); LBFGS re-evaluates the loss many times
+    per step and needs one.
+
+    Args:
+        strategy_name: the strategy's registered name, for the message.
+        optimizers_needing_closure: class names of the optimizers whose ``step`` has a required ``closure``.
+
+    Raises:
+        AdasumConfigurationError: naming those optimizers and the strategies that can run them.
+    """
+    if optimizers_needing_closure:
+        names = ", ".join(sorted(set(optimizers_needing_closure)))
+        raise AdasumConfigurationError(
+            f"{strategy_name} cannot use {names}: its step() needs a closure (it re-evaluates the loss), but "
+            "Horovod's Adasum optimizer runs the local step inside backward, without one. Use "
+            "strategy='ddp_adasum' (the local step runs after the closure, then the deltas are combined) or "
+            "strategy='horovod' (averaging)."
+        )
+
+
+def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[torch.dtype]) -> None:
+    """Horovod 0.28.1's CPU collectives have no bfloat16: parameters in bfloat16 cannot be reduced.
+
+    ``precision="bf16-true"`` (or a model cast to bfloat16) fails at the first allreduce ("Tensor type
+    torch.BFloat16Tensor is not supported"). ``"bf16-mixed"`` keeps float32 weights and works.
+
+    Args:
+        strategy_name: the strategy's registered name, for the message.
+        device_type: the device the parameters are on (``"cpu"``, ``"cuda"``); GPUs are not checked.
+        dtypes: the dtypes of the parameters that require a gradient.
+
+    Raises:
+        AdasumConfigurationError: a bfloat16 parameter on CPU.
+    """
+    if device_type == "cpu" and torch.bfloat16 in set(dtypes):
+        raise AdasumConfigurationError(
+            f"{strategy_name} cannot reduce bfloat16 parameters on CPU (precision='bf16-true' or a bfloat16 "
+            "model): Horovod 0.28.1's CPU collectives have no bfloat16 type. Use precision='bf16-mixed' "
+            "(float32 weights, bfloat16 compute), or strategy='ddp_adasum', which reduces bfloat16."
+        )
+
+
+def check_sync_batchnorm(device_type: str, requested: bool, sync_layers: Sequence[str]) -> None:
+    """Synchronised batch norm needs an accelerator: torch's ``SyncBatchNorm`` refuses CPU tensors.
+
+    Under DDP the statistics of ``SyncBatchNorm`` layers are synchronised over the process group; on CPU
+    torch raises ("SyncBatchNorm expected input tensor to be on GPU …") in the first forward pass. This
+    rule says so before any training step.
+
+    Args:
+        device_type: the device the module is on.
+        requested: ``Trainer(sync_batchnorm=True)``.
+        sync_layers: names of the module's ``SyncBatchNorm`` layers (converted by the user).
+
+    Raises:
+        AdasumConfigurationError: synchronised batch norm on CPU.
+    """
+    if device_type == "cpu" and (requested or sync_layers):
+        what = (
+            "Trainer(sync_batchnorm=True)"
+            if requested
+            else f"SyncBatchNorm layers ({', '.join(sync_layers)})"
+        )
+        raise AdasumConfigurationError(
+            f"{what} on CPU: torch's SyncBatchNorm runs on GPUs only (it raises in the first forward pass). "
+            "Train on GPUs (accelerator='gpu') to synchronise the statistics, or leave sync_batchnorm off "
+            "and keep plain BatchNorm: then each rank keeps its own running statistics (checkpoints hold "
+            "rank 0's)."
         )
 
 

@@ -11,7 +11,7 @@ import resource
 import sys
 from pathlib import Path
 
-from adasum_lightning.environment import launcher_rank
+from adasum_lightning.launchers import launcher_rank
 
 
 def main() -> None:

@@ -30,9 +30,8 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 from torchvision.datasets.utils import check_integrity
 
-import adasum_lightning  # noqa: F401  (registers "horovod_adasum" and "horovod")
-from adasum_lightning.environment import launcher_rank
-from adasum_lightning.metrics import horovod_sync_kwargs
+import adasum_lightning  # noqa: F401  (registers "horovod_adasum", "horovod" and "ddp_adasum")
+from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.validation import CHECKPOINT_READ_ERRORS, unreadable_checkpoint
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -58,7 +57,7 @@ class MNISTNet(pl.LightningModule):
         self.conv2_drop = nn.Dropout2d()
         self.fc1 = nn.Linear(320, 50)
         self.fc2 = nn.Linear(50, 10)
-        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10, **horovod_sync_kwargs())
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(F.max_pool2d(self.conv1(x), 2))

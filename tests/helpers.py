@@ -7,12 +7,15 @@ root, so that they import ``tests.workers.tiny`` and the project like the tests 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from adasum_lightning.validation import AdasumConfigurationError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -52,10 +55,8 @@ def run_horovod(
     cmd = horovodrun_cmd(np, gloo=gloo) + [sys.executable, *target, *args]
     proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- output (end)\n"
-            f"{(proc.stdout + proc.stderr)[-6000:]}"
-        )
+        output = (proc.stdout + proc.stderr)[-6000:]
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- output (end)\n{output}")
     return proc
 
 
@@ -68,7 +69,7 @@ def load_ranks(out: Path, np: int) -> list[dict]:
 
 def quick_fit(model, strategy="horovod_adasum", limit_train_batches: int = 2, **trainer_kwargs):
     """One short CPU epoch in this process (world size 1), without logger, progress bar or checkpoints."""
-    import pytorch_lightning as pl
+    from tests.workers.lightning import pl
 
     trainer = pl.Trainer(
         strategy=strategy,
@@ -83,3 +84,57 @@ def quick_fit(model, strategy="horovod_adasum", limit_train_batches: int = 2, **
     )
     trainer.fit(model)
     return trainer
+
+
+def expected_message(rule, *args, **kwargs) -> str:
+    """The text a validation rule raises for these inputs (the rules are pure functions)."""
+    with pytest.raises(AdasumConfigurationError) as info:
+        rule(*args, **kwargs)
+    return str(info.value)
+
+
+def assert_every_rank_says(proc, np, message):
+    """Every rank reported exactly ``message`` (the same text), and no training step ran."""
+    # horovodrun tags each line with its rank ([1,r]<stderr>: under MPI, [r]<stderr>: under Gloo);
+    # lines of different ranks can be spliced together, so the tags are dropped and the full report is
+    # searched for, once per rank.
+    out = TAG.sub("", proc.stdout + proc.stderr)
+    for r in range(np):
+        assert f"AdasumConfigurationError on rank {r}: {message}" in out, f"rank {r}:\n{out[-4000:]}"
+    assert "Epoch 0" not in out and "train_loss" not in out
+
+
+TAG = re.compile(r"\[(?:1,)?\d+\]<std(?:out|err)>:")
+
+
+def assert_ranks_identical(ranks: list[dict], key: str = "end") -> None:
+    """Every rank's ``key`` state dict equals rank 0's, tensor for tensor (bitwise)."""
+    for r, res in enumerate(ranks[1:], start=1):
+        for name, tensor in ranks[0][key].items():
+            assert torch.equal(tensor, res[key][name]), f"{key}[{name}] differs between rank 0 and rank {r}"
+
+
+def run_lightning(
+    np: int, worker: str, *args: str, timeout: float = 240, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run a worker with ``--devices np`` as a plain process: Lightning starts the other processes."""
+    cmd = [sys.executable, "-m", f"tests.workers.{worker}", *args, "--devices", str(np)]
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "HOROVOD_"))}
+    return _run(cmd, env, timeout, check)
+
+
+def run_torchrun(
+    np: int, worker: str, *args: str, timeout: float = 240, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run a worker under ``torchrun --standalone --nproc-per-node np`` (one device per process)."""
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(np), "-m",
+           f"tests.workers.{worker}", *args]  # fmt: skip
+    return _run(cmd, mpi_env(), timeout, check)
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float, check: bool) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        output = (proc.stdout + proc.stderr)[-6000:]
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- output (end)\n{output}")
+    return proc

@@ -63,7 +63,7 @@ def test_image_pins_match_make_setup():
 def test_code_snapshot_holds_the_script_beside_the_package(staged):
     code = staged.code_dir
     assert (code / "mnist.py").read_bytes() == (ROOT / "examples" / "mnist.py").read_bytes()
-    assert (code / "adasum_lightning" / "strategy.py").is_file()
+    assert (code / "adasum_lightning" / "pytorch_lightning" / "horovod.py").is_file()
     assert not list(code.rglob("__pycache__"))
 
 

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from adasum_lightning.ops import adasum
-from tests.helpers import load_ranks, run_horovod
+from tests.helpers import (
+    assert_ranks_identical,
+    load_ranks,
+    run_horovod,
+)
 from tests.workers.tiny import tiny_net  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -34,12 +38,6 @@ def test_adasum_allreduce_equals_the_reference(np, tmp_path):
     # With 2 ranks the "one zero update" case returns the other rank's update exactly.
     if np == 2:
         assert torch.equal(ranks[0]["zero_rank0"], torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
-
-
-def assert_ranks_identical(ranks, key="end"):
-    for r, res in enumerate(ranks[1:], start=1):
-        for name, tensor in ranks[0][key].items():
-            assert torch.equal(tensor, res[key][name]), f"{key}[{name}] differs between rank 0 and rank {r}"
 
 
 def assert_disjoint_shards(ranks, n, epochs):

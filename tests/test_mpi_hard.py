@@ -1,6 +1,5 @@
 """Misuse refused on every rank before step 1, Adasum's hard cases, and faults — real horovodrun jobs."""
 
-import re
 import time
 
 import pytest
@@ -8,43 +7,21 @@ import torch
 
 from adasum_lightning.ops import adasum
 from adasum_lightning.validation import (
-    AdasumConfigurationError,
     check_controller,
     check_cpu_operations,
     check_gradient_clipping,
     check_world_size,
 )
-from tests.helpers import load_ranks, run_horovod
+from tests.helpers import (
+    assert_every_rank_says,
+    assert_ranks_identical,
+    expected_message,
+    load_ranks,
+    run_horovod,
+)
 from tests.workers.tiny import tiny_net  # noqa: E402
 
 pytestmark = pytest.mark.mpi
-
-
-def expected_message(rule, *args, **kwargs) -> str:
-    """The text a validation rule raises for these inputs (the rules are pure functions)."""
-    with pytest.raises(AdasumConfigurationError) as info:
-        rule(*args, **kwargs)
-    return str(info.value)
-
-
-def assert_every_rank_says(proc, np, message):
-    """Every rank reported exactly ``message`` (the same text), and no training step ran."""
-    # horovodrun tags each line with its rank ([1,r]<stderr>: under MPI, [r]<stderr>: under Gloo);
-    # lines of different ranks can be spliced together, so the tags are dropped and the full report is
-    # searched for, once per rank.
-    out = TAG.sub("", proc.stdout + proc.stderr)
-    for r in range(np):
-        assert f"AdasumConfigurationError on rank {r}: {message}" in out, f"rank {r}:\n{out[-4000:]}"
-    assert "Epoch 0" not in out and "train_loss" not in out
-
-
-TAG = re.compile(r"\[(?:1,)?\d+\]<std(?:out|err)>:")
-
-
-def assert_ranks_identical(ranks, key="end"):
-    for r, res in enumerate(ranks[1:], start=1):
-        for name, tensor in ranks[0][key].items():
-            assert torch.equal(tensor, res[key][name]), f"{key}[{name}] differs between rank 0 and rank {r}"
 
 
 # ---------------------------------------------------------------- refused at setup, on every rank

@@ -1,13 +1,13 @@
 """The in-process simulator (adasum_lightning.simulate): arithmetic, errors, and a match with real Horovod."""
 
 import pytest
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
 from adasum_lightning.ops import adasum
 from adasum_lightning.simulate import simulate, steps_per_epoch
 from tests.helpers import run_horovod
+from tests.workers.lightning import pl
 from tests.workers.sim_match import BATCH, LR, SimNet, teacher_data  # noqa: E402
 
 # Measured difference between simulated and real parameters after 300 steps (torch 2.14.1, Horovod 0.28.1,

@@ -4,28 +4,32 @@ import subprocess
 import sys
 
 import pytest
-import pytorch_lightning as pl
 import torch
 
 import adasum_lightning
-from adasum_lightning import HorovodAdasumStrategy, HorovodStrategy
-from adasum_lightning.environment import HorovodEnvironment
 from tests.helpers import mpi_env, quick_fit
+from tests.workers.lightning import (
+    PACKAGE,
+    HorovodAdasumStrategy,
+    HorovodEnvironment,
+    HorovodStrategy,
+    pl,
+    strategies,
+)
 from tests.workers.tiny import TinyModule  # noqa: E402
 
 
 def test_import_registers_both_names():
-    from pytorch_lightning.strategies import StrategyRegistry
-
+    StrategyRegistry = strategies.StrategyRegistry
     assert StrategyRegistry["horovod_adasum"]["strategy"] is HorovodAdasumStrategy
     assert StrategyRegistry["horovod"]["strategy"] is HorovodStrategy
-    assert adasum_lightning.__version__ == "0.1.0"
+    assert adasum_lightning.__version__ == "0.2.0"
 
 
 def test_building_a_trainer_does_not_initialise_horovod():
     # A fresh interpreter: the notebook case. Building the Trainer must not call hvd.init().
     code = (
-        "import adasum_lightning, pytorch_lightning as pl, horovod.torch as hvd\n"
+        f"import adasum_lightning, {PACKAGE} as pl, horovod.torch as hvd\n"
         "t = pl.Trainer(strategy='horovod_adasum', accelerator='cpu', logger=False)\n"
         "print(type(t.strategy).__name__, hvd.is_initialized(), t.world_size, t.global_rank)\n"
     )
@@ -68,7 +72,7 @@ def env_initialised() -> bool:
 def test_only_rank_zero_writes_checkpoints(tmp_path):
     # Rank taken from the launcher's variable (Horovod not initialised in that process).
     code = (
-        "import torch, adasum_lightning\n"
+        f"import torch, adasum_lightning, {PACKAGE}\n"
         "s = adasum_lightning.HorovodAdasumStrategy()\n"
         f"s.save_checkpoint({{'x': torch.ones(1)}}, r'{tmp_path}/ckpt.pt')\n"
         "print(s.global_rank)\n"
@@ -103,7 +107,7 @@ def test_size_one_fit_trains_with_the_expected_lr(strategy, expected_lr):
 def test_one_device_per_process_whatever_devices_says():
     # Before hvd.init() the local rank comes from the launcher (a fresh interpreter: Horovod not initialised).
     code = (
-        "import torch, adasum_lightning, pytorch_lightning as pl\n"
+        f"import torch, adasum_lightning, {PACKAGE} as pl\n"
         "t = pl.Trainer(strategy='horovod_adasum', accelerator='cpu', devices=4, logger=False)\n"
         "s = adasum_lightning.HorovodAdasumStrategy()\n"
         "s.parallel_devices = [torch.device('cuda', i) for i in range(4)]\n"

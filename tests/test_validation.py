@@ -4,10 +4,8 @@ import subprocess
 import sys
 
 import pytest
-import pytorch_lightning as pl
 import torch
 
-from adasum_lightning import HorovodAdasumStrategy, HorovodStrategy
 from adasum_lightning.ops import is_power_of_two
 from adasum_lightning.validation import (
     AdasumConfigurationError,
@@ -22,6 +20,7 @@ from adasum_lightning.validation import (
     nearest_powers_of_two,
 )
 from tests.helpers import mpi_env, quick_fit
+from tests.workers.lightning import HorovodAdasumStrategy, HorovodStrategy, pl
 from tests.workers.tiny import TinyModule  # noqa: E402
 
 
@@ -158,7 +157,7 @@ def test_single_device_rule():
 def test_horovod_missing_names_make_setup():
     code = (
         "import sys; sys.modules['horovod.torch'] = None\n"
-        "from adasum_lightning.strategy import import_horovod\n"
+        "from adasum_lightning.pytorch_lightning.horovod import import_horovod\n"
         "try:\n    import_horovod()\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run(
@@ -176,10 +175,10 @@ def test_fit_refuses_norm_clipping_before_any_step():
 
 
 def test_fit_refuses_fp16_mixed_before_any_step():
-    from pytorch_lightning.plugins.precision import MixedPrecision
-
     model = TinyModule()
-    plugin = MixedPrecision(precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
+    plugin = pl.plugins.precision.MixedPrecision(
+        precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu")
+    )
     with pytest.raises(AdasumConfigurationError, match="cannot use precision='16-mixed'"):
         quick_fit(model, plugins=[plugin])
     assert model.record["indices"] == []

@@ -9,8 +9,8 @@ from pathlib import Path
 import horovod.torch as hvd
 import torch
 
-from adasum_lightning import HorovodAdasumStrategy
 from adasum_lightning.ops import adasum_reduce
+from tests.workers.lightning import HorovodAdasumStrategy, pl
 
 out = Path(sys.argv[1])
 hvd.init()
@@ -41,12 +41,17 @@ zero_on_0 = (
 )
 result["zero_rank0"] = hvd.allreduce(zero_on_0, op=hvd.Adasum, name="zero")
 
-# The strategy's collectives (used by self.log(sync_dist=True), torchmetrics, checkpoints).
-strategy = HorovodAdasumStrategy()
+# The strategy's collectives (used by self.log(sync_dist=True), torchmetrics, checkpoints): Lightning's DDP
+# collectives on the torch.distributed process group the strategy creates beside Horovod.
+strategy = HorovodAdasumStrategy(
+    accelerator=pl.accelerators.CPUAccelerator(), parallel_devices=[torch.device("cpu")]
+)
+strategy.setup_environment()
 value = torch.tensor([float(rank + 1)])
-result["reduce_mean"] = strategy.reduce(value, reduce_op="mean")
-result["reduce_sum"] = strategy.reduce(value, reduce_op="sum")
-result["reduce_max"] = strategy.reduce(value, reduce_op="max")
+# (in place, as under DDP: each call gets its own copy)
+result["reduce_mean"] = strategy.reduce(value.clone(), reduce_op="mean")
+result["reduce_sum"] = strategy.reduce(value.clone(), reduce_op="sum")
+result["reduce_max"] = strategy.reduce(value.clone(), reduce_op="max")
 result["all_gather"] = strategy.all_gather(torch.tensor([rank, 10 * rank]))
 result["broadcast"] = strategy.broadcast({"from": rank, "list": [rank] * 3}, src=size - 1)
 strategy.barrier()

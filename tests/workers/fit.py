@@ -1,26 +1,32 @@
-"""Worker: a short fit with a horovod strategy; every rank saves what it saw to OUT_DIR/rank{r}.pt.
+"""Worker: a short fit with one of the strategies; every rank saves what it saw to OUT_DIR/rank{r}.pt.
 
-usage: fit.py OUT_DIR [options]   (see the argparse options below)
+usage: python -m tests.workers.fit OUT_DIR [options]   (see the argparse options below)
+
+Launch it with horovodrun (Horovod strategies), torchrun, or plainly with ``--devices N`` (ddp_adasum:
+Lightning starts the other processes).
 """
 
 import argparse
 import os
 from pathlib import Path
 
-import horovod.torch as hvd
-import pytorch_lightning as pl
 import torch
 
-import adasum_lightning
+from tests.workers.lightning import HorovodAdasumStrategy, pl
 from tests.workers.tiny import MODULES
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("--strategy", default="horovod_adasum")
+p.add_argument("--devices", type=int, default=1)
+p.add_argument("--inf-rank", type=int, default=-1)
+p.add_argument("--inf-step", type=int, default=-1)
+p.add_argument("--fp16-scaler", action="store_true", help="16-mixed with a GradScaler on CPU")
 p.add_argument("--model", default="tiny", choices=sorted(MODULES))
 p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--max-steps", type=int, default=-1)
 p.add_argument("--lr", type=float, default=0.1)
+p.add_argument("--momentum", type=float, default=0.5)
 p.add_argument("--scheduler", default="none")
 p.add_argument("--optimizer", default="sgd")
 p.add_argument("--accumulate", type=int, default=1)
@@ -38,9 +44,11 @@ args = p.parse_args()
 out = Path(args.out)
 
 # Different initial weights per rank: the strategy must broadcast rank 0's.
-pl.seed_everything(100 + int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0"))))
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "RANK", "LOCAL_RANK")
+pl.seed_everything(100 + int(next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v)), "0")))
 model = MODULES[args.model](
     lr=args.lr,
+    momentum=args.momentum,
     scheduler=args.scheduler,
     optimizer=args.optimizer,
     n=args.samples,
@@ -48,15 +56,27 @@ model = MODULES[args.model](
     zero_loss_rank=args.zero_loss_rank,
     kill_rank=args.kill_rank,
     kill_at_step=args.kill_at_step,
+    inf_rank=args.inf_rank,
+    inf_step=args.inf_step,
 )
 strategy = args.strategy
+
+
+def fp16_plugin():
+    # On CPU Lightning turns precision="16-mixed" into bf16-mixed; the plugin keeps fp16 and its GradScaler.
+    return pl.plugins.precision.MixedPrecision(
+        precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu")
+    )
+
+
 if args.compression != "none":
-    strategy = adasum_lightning.HorovodAdasumStrategy(compression=args.compression)
+    strategy = HorovodAdasumStrategy(compression=args.compression)
 trainer = pl.Trainer(
     strategy=strategy,
     accelerator="cpu",
-    devices=1,
-    precision=args.precision,
+    devices=args.devices,
+    precision=None if args.fp16_scaler else args.precision,
+    plugins=[fp16_plugin()] if args.fp16_scaler else None,
     gradient_clip_val=args.clip_value,
     gradient_clip_algorithm=args.clip_algorithm,
     max_epochs=args.epochs,
@@ -72,9 +92,9 @@ trainer.fit(model, ckpt_path=args.ckpt_path)
 record = model.record
 record["end"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 record["global_step"] = trainer.global_step
-record["world_size"] = hvd.size()
+record["world_size"] = trainer.world_size
 record["end_opt_state"] = {
     k: {n: t.clone() for n, t in s.items() if torch.is_tensor(t)}
     for k, s in trainer.optimizers[0].state_dict()["state"].items()
 }
-torch.save(record, out / f"rank{hvd.rank()}.pt")
+torch.save(record, out / f"rank{trainer.global_rank}.pt")

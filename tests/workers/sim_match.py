@@ -9,13 +9,13 @@ import argparse
 import os
 
 import horovod.torch as hvd
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import adasum_lightning
+from tests.workers.lightning import pl
 
 BATCH = 8
 LR = 0.2

@@ -3,11 +3,12 @@
 import os
 import signal
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from tests.workers.lightning import pl
 
 
 class IndexedData(Dataset):
@@ -33,7 +34,8 @@ class TinyModule(pl.LightningModule):
     """Records what each rank saw: start/end parameters, learning rates, sample indices, first batches.
 
     ``loss_scale`` multiplies the loss; ``zero_loss_rank`` zeroes that rank's loss (its update is all
-    zeros); ``kill_rank``/``kill_at_step`` SIGKILL that rank at that global step.
+    zeros); ``kill_rank``/``kill_at_step`` SIGKILL that rank at that global step; ``inf_rank``/``inf_step``
+    make that rank's loss infinite at that global step (a gradient scaler then skips its step).
     """
 
     def __init__(
@@ -48,6 +50,8 @@ class TinyModule(pl.LightningModule):
         zero_loss_rank: int = -1,
         kill_rank: int = -1,
         kill_at_step: int = -1,
+        inf_rank: int = -1,
+        inf_step: int = -1,
     ) -> None:
         super().__init__()
         self.net = tiny_net()
@@ -55,6 +59,7 @@ class TinyModule(pl.LightningModule):
         self.scheduler, self.optimizer_name = scheduler, optimizer
         self.loss_scale, self.zero_loss_rank = loss_scale, zero_loss_rank
         self.kill_rank, self.kill_at_step = kill_rank, kill_at_step
+        self.inf_rank, self.inf_step = inf_rank, inf_step
         self.record = {"indices": [], "batches": [], "lrs": [], "epoch_start_delays": []}
 
     def forward(self, x):
@@ -63,12 +68,14 @@ class TinyModule(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
         self.record["indices"] += idx.tolist()
-        if len(self.record["batches"]) < 4:
+        if len(self.record["batches"]) < 6:
             self.record["batches"].append((x.clone(), y.clone()))
         self.record["lrs"].append(self.trainer.optimizers[0].param_groups[0]["lr"])
         if self.global_rank == self.kill_rank and self.global_step == self.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # a rank dying mid-training
         loss = F.cross_entropy(self(x), y) * self.loss_scale
+        if self.global_rank == self.inf_rank and self.global_step == self.inf_step:
+            loss = loss * float("inf")  # overflowing gradients on this rank only
         if self.global_rank == self.zero_loss_rank:
             loss = loss * 0.0  # this rank's update is all zeros
         self.log("train_loss", loss, sync_dist=True)
@@ -100,6 +107,8 @@ class TinyModule(pl.LightningModule):
         return DataLoader(IndexedData(self.n), batch_size=self.batch_size, shuffle=False)
 
     def configure_optimizers(self):
+        if self.optimizer_name == "lbfgs":
+            return torch.optim.LBFGS(self.parameters(), lr=self.lr, max_iter=5)
         if self.optimizer_name == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=self.lr)
         else:

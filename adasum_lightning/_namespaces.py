@@ -1,0 +1,184 @@
+"""The two Lightning package names, and a copy of the strategies for each.
+
+Lightning ships its trainer twice: the standalone ``pytorch_lightning`` package (with ``lightning_fabric``)
+and the unified ``lightning`` package, which carries its own copy as ``lightning.pytorch`` (with
+``lightning.fabric``). Both can be installed in one environment — ``pip install lightning`` installs
+``pytorch-lightning`` too — and each has its own ``StrategyRegistry`` and ``Strategy`` base class: a strategy
+built on one is rejected by the other's ``Trainer`` ("must be an instance of
+lightning.pytorch.strategies.Strategy").
+
+The strategies are written once, against ``pytorch_lightning``/``lightning_fabric``, in the subpackage
+:mod:`adasum_lightning.pytorch_lightning`. For the unified package the same source files are loaded a second
+time as ``adasum_lightning.lightning`` with the two package names renamed (``pytorch_lightning`` →
+``lightning.pytorch``, ``lightning_fabric`` → ``lightning.fabric``) — the renaming Lightning's own release
+tooling applies when it builds the unified package from the standalone sources. The subpackage uses relative
+imports for its own modules and absolute imports for the package-independent rest of ``adasum_lightning``.
+
+Strategy names are registered lazily: when (and only when) a Lightning package has been imported, the
+matching copy is loaded and its strategies are added to that package's ``StrategyRegistry`` (a post-import
+hook from ``wrapt``). Importing ``adasum_lightning`` therefore imports neither Lightning package itself,
+and a script that imports only one of them gets only that one — which is how :func:`resolve` knows which
+copy ``adasum_lightning.HorovodAdasumStrategy`` means.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import wrapt
+
+__all__ = ["NAMESPACES", "Namespace", "installed", "strategies_for", "resolve", "register_when_imported"]
+
+_SOURCE_PACKAGE = "adasum_lightning.pytorch_lightning"
+_SOURCE_DIR = Path(__file__).resolve().parent / "pytorch_lightning"
+_MIRROR_PACKAGE = "adasum_lightning.lightning"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """One Lightning package name.
+
+    Attributes:
+        trainer_module: the module whose ``Trainer`` users build (``"pytorch_lightning"`` or
+            ``"lightning.pytorch"``).
+        distribution: the pip distribution that provides it (``"pytorch-lightning"`` or ``"lightning"``).
+        strategies_module: this project's copy of the strategies for it.
+    """
+
+    trainer_module: str
+    distribution: str
+    strategies_module: str
+
+
+#: The standalone package first: it is installed whenever either is (``lightning`` requires it).
+NAMESPACES: tuple[Namespace, ...] = (
+    Namespace("pytorch_lightning", "pytorch-lightning", _SOURCE_PACKAGE),
+    Namespace("lightning.pytorch", "lightning", _MIRROR_PACKAGE),
+)
+
+_RENAMES = (
+    (re.compile(r"\bpytorch_lightning\b"), "lightning.pytorch"),
+    (re.compile(r"\blightning_fabric\b"), "lightning.fabric"),
+)
+
+
+def installed() -> list[Namespace]:
+    """The Lightning packages importable here (found on the path; nothing is imported)."""
+    found = []
+    for namespace in NAMESPACES:
+        top = namespace.trainer_module.split(".")[0]
+        if top in sys.modules and sys.modules[top] is None:
+            continue  # import blocked
+        try:
+            spec = importlib.util.find_spec(namespace.trainer_module if top in sys.modules else top)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            found.append(namespace)
+    return found
+
+
+def strategies_for(namespace: Namespace) -> ModuleType:
+    """This project's strategies for ``namespace`` (imports that Lightning package)."""
+    return importlib.import_module(namespace.strategies_module)
+
+
+def resolve() -> Namespace:
+    """The Lightning package that a bare ``adasum_lightning.<Strategy>`` refers to.
+
+    The one this process has imported; when it has imported neither, ``lightning`` if installed (Lightning's
+    documentation imports it as ``import lightning as L``), else ``pytorch_lightning``.
+
+    Raises:
+        ImportError: neither package is installed, or both have been imported (the name is ambiguous: the
+            message names the two explicit modules).
+    """
+    imported = [ns for ns in NAMESPACES if sys.modules.get(ns.trainer_module) is not None]
+    if len(imported) == 1:
+        return imported[0]
+    if len(imported) > 1:
+        raise ImportError(AMBIGUOUS_MESSAGE)
+    available = installed()
+    if not available:
+        raise ImportError(missing_lightning_message())
+    return available[-1]
+
+
+AMBIGUOUS_MESSAGE = (
+    "both pytorch_lightning and lightning.pytorch are imported in this process, so "
+    "`adasum_lightning.<Strategy>` is ambiguous: a strategy object must belong to the package of the Trainer "
+    "it is given to. Import it from `adasum_lightning.lightning` (for lightning.pytorch.Trainer) or "
+    "`adasum_lightning.pytorch_lightning` (for pytorch_lightning.Trainer), or pass the strategy by name, "
+    "e.g. Trainer(strategy='horovod_adasum'), which works with either."
+)
+
+
+def missing_lightning_message() -> str:
+    return (
+        "adasum_lightning needs PyTorch Lightning 2.4–2.6, as either package name: install it with "
+        "`pip install lightning` (imported as `lightning.pytorch`) or `pip install pytorch-lightning` "
+        "(imported as `pytorch_lightning`)."
+    )
+
+
+def _register(namespace: Namespace) -> None:
+    # Importing the strategies registers them with their package's StrategyRegistry (the subpackage's last
+    # lines). When that import is what imported the Lightning package, it is in progress and finishes the
+    # registration itself.
+    strategies_for(namespace)
+
+
+def register_when_imported() -> None:
+    """Register the strategy names with each Lightning package's ``StrategyRegistry`` once it is imported
+    (at once for a package already imported)."""
+    sys.meta_path.insert(0, _MirrorFinder())
+    for namespace in NAMESPACES:
+        wrapt.register_post_import_hook(lambda _module, ns=namespace: _register(ns), namespace.trainer_module)
+
+
+class _MirrorLoader(importlib.abc.SourceLoader):
+    """Loads a module of :data:`_SOURCE_PACKAGE` under :data:`_MIRROR_PACKAGE` with the imports renamed.
+
+    The renamed source is compiled from the original file (line numbers, and so tracebacks, are those of the
+    file) and never cached as bytecode, so the two copies cannot share a stale ``.pyc``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def get_filename(self, fullname: str) -> str:
+        return str(self.path)
+
+    def get_data(self, path: str) -> bytes:
+        text = Path(path).read_text(encoding="utf-8")
+        for pattern, replacement in _RENAMES:
+            text = pattern.sub(replacement, text)
+        return text.encode("utf-8")
+
+
+class _MirrorFinder(importlib.abc.MetaPathFinder):
+    """Finds ``adasum_lightning.lightning[.X]``: the renamed ``adasum_lightning/pytorch_lightning[/X].py``."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _MIRROR_PACKAGE and not fullname.startswith(_MIRROR_PACKAGE + "."):
+            return None
+        parts = fullname[len(_MIRROR_PACKAGE) :].lstrip(".").split(".") if fullname != _MIRROR_PACKAGE else []
+        source = _SOURCE_DIR.joinpath(*parts)
+        is_package = source.is_dir()
+        source = source / "__init__.py" if is_package else source.with_suffix(".py")
+        if not source.is_file():
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname,
+            source,
+            loader=_MirrorLoader(source),
+            submodule_search_locations=[str(source.parent)] if is_package else None,
+        )

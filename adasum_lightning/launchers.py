@@ -1,0 +1,109 @@
+"""What the process launcher told this process, read from the environment (no Horovod, no Lightning).
+
+Open MPI (``mpirun``, ``horovodrun`` over MPI, Azure ML MPI jobs) sets ``OMPI_COMM_WORLD_*``; Horovod's own
+Gloo launcher (``horovodrun --gloo``) sets ``HOROVOD_*``; MPICH / Intel MPI set ``PMI_*``. ``torchrun``,
+Lightning's own launcher, SLURM's ``srun`` and Azure ML PyTorch jobs set the ``torch.distributed`` variables
+(``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``) or their own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "SeenLauncher",
+    "seen_launcher",
+    "launcher_rank",
+    "launcher_world_size",
+    "launcher_local_rank",
+    "launcher_local_size",
+]
+
+# Variables of the launchers that start Horovod jobs, in order of preference: Horovod's own (Gloo and
+# elastic launches), Open MPI, MPICH / Intel MPI (PMI).
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_LOCAL_RANK_VARS = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+_LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def _first_int(names: tuple[str, ...], default: int, environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
+
+
+def launcher_rank() -> int:
+    """Global rank as an MPI or Horovod launcher set it (0 when not launched by one)."""
+    return _first_int(_RANK_VARS, 0)
+
+
+def launcher_world_size() -> int:
+    """World size as an MPI or Horovod launcher set it (1 when not launched by one)."""
+    return _first_int(_SIZE_VARS, 1)
+
+
+def launcher_local_rank() -> int:
+    """Rank on this node as an MPI or Horovod launcher set it (0 when not launched by one)."""
+    return _first_int(_LOCAL_RANK_VARS, 0)
+
+
+def launcher_local_size() -> int:
+    """Processes on this node as an MPI or Horovod launcher set it (1 when not launched by one)."""
+    return _first_int(_LOCAL_SIZE_VARS, 1)
+
+
+@dataclass(frozen=True)
+class SeenLauncher:
+    """The launcher that started this process, as its environment variables say.
+
+    Attributes:
+        name: how users call it, e.g. ``"torchrun"``, ``"mpirun / horovodrun (Open MPI)"``.
+        processes: how many processes it started in all (its world size).
+        variable: the variable that said so, e.g. ``"WORLD_SIZE"``.
+        horovod: True for the launchers that start Horovod jobs (MPI, ``horovodrun --gloo``).
+    """
+
+    name: str
+    processes: int
+    variable: str
+    horovod: bool
+
+
+def seen_launcher(environ: Mapping[str, str] | None = None) -> SeenLauncher | None:
+    """The launcher whose variables are set in ``environ`` (default ``os.environ``); None for a plain start.
+
+    Checked in this order: ``horovodrun --gloo`` (``HOROVOD_SIZE``), Open MPI (``OMPI_COMM_WORLD_SIZE``),
+    MPICH / Intel MPI (``PMI_SIZE``), ``torchrun`` (``TORCHELASTIC_RUN_ID`` with ``WORLD_SIZE``), SLURM
+    ``srun`` (``SLURM_STEP_NUM_TASKS`` inside a job step), then any other ``torch.distributed`` launcher
+    (``WORLD_SIZE``: Lightning's own, ``torch.distributed.launch``, Azure ML PyTorch jobs).
+    """
+    env = os.environ if environ is None else environ
+
+    def size(name: str) -> int | None:
+        value = env.get(name, "")
+        return int(value) if value.strip().isdigit() else None
+
+    candidates = (
+        ("horovodrun --gloo", "HOROVOD_SIZE", True, True),
+        ("mpirun / horovodrun (Open MPI)", "OMPI_COMM_WORLD_SIZE", True, True),
+        ("mpiexec (MPICH / Intel MPI)", "PMI_SIZE", True, True),
+        ("torchrun", "WORLD_SIZE", False, "TORCHELASTIC_RUN_ID" in env),
+        ("srun (SLURM)", "SLURM_STEP_NUM_TASKS", False, "SLURM_STEP_ID" in env),
+        (
+            "a torch.distributed launcher (Lightning's, torch.distributed.launch or Azure ML)",
+            "WORLD_SIZE",
+            False,
+            True,
+        ),
+    )
+    for name, variable, horovod, applies in candidates:
+        processes = size(variable)
+        if applies and processes is not None:
+            return SeenLauncher(name, processes, variable, horovod)
+    return None

@@ -1,0 +1,61 @@
+"""Learning-rate scaling by a factor, shared by the strategies (``lr_scaling``) and the simulator.
+
+Averaging gradients over N workers shrinks the update, so pytorch-lightning 1.x's Horovod strategy multiplied
+every learning rate by N (PL #2574); Adasum needs no such factor (Maleki et al., MLSys 2021; Horovod's
+``docs/adasum_user_guide.rst``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+from torch.optim import Optimizer
+
+__all__ = ["LR_KEYS", "check_lr_scaling", "scale_learning_rates"]
+
+#: Param-group keys that hold a learning rate: torch's optimizers use ``"lr"``; schedulers keep their own
+#: copies (``"initial_lr"`` for every LRScheduler, ``"max_lr"``/``"min_lr"`` for OneCycleLR).
+LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+
+
+def check_lr_scaling(value: str | float) -> str | float:
+    """Validate a strategy's ``lr_scaling``: ``"auto"``, ``"none"`` or a positive number (or its text).
+
+    Returns:
+        ``"auto"``, ``"none"`` or the factor as a float.
+
+    Raises:
+        ValueError: anything else (booleans, zero, negative numbers, other text).
+    """
+    if isinstance(value, str):
+        if value in ("auto", "none"):
+            return value
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(
+                f"lr_scaling must be 'auto', 'none' or a positive number, got {value!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"lr_scaling must be 'auto', 'none' or a positive number, got {value!r}")
+    return float(value)
+
+
+def scale_learning_rates(optimizers: Iterable[Optimizer], schedulers: Iterable[Any], factor: float) -> None:
+    """Multiply every learning rate of ``optimizers`` and their ``schedulers`` by ``factor``, once.
+
+    Each param group's :data:`LR_KEYS` entries (when numbers) and each scheduler's ``base_lrs`` (when it has
+    them). A factor of 1 changes nothing.
+    """
+    if factor == 1.0:
+        return
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for key in LR_KEYS:
+                if isinstance(group.get(key), numbers.Real):
+                    group[key] = group[key] * factor
+    for scheduler in schedulers:
+        if hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]

@@ -1,0 +1,265 @@
+"""What the three strategies share: Lightning's DDP strategy without its ``DistributedDataParallel`` wrapper.
+
+Lightning's cross-rank code — ``self.log(sync_dist=True)``, ``all_gather`` (with gradients), ``broadcast``,
+``barrier``, ``sync_batchnorm``, the DistributedSampler, the SIGTERM agreement between ranks, torchmetrics'
+state sync, checkpoint writing by rank 0 — is written for a ``torch.distributed`` process group. These
+strategies extend :class:`~pytorch_lightning.strategies.DDPStrategy`, so all of it runs as under
+``strategy="ddp"``: the process group, the collectives and the set-up are DDPStrategy's own. What differs is
+how the training update crosses ranks: instead of wrapping the module in ``DistributedDataParallel`` (which
+averages gradients during backward), :meth:`configure_ddp` only broadcasts rank 0's parameters and buffers,
+and each subclass reduces the update itself — Horovod's optimizer wrapper (``horovod_adasum``, ``horovod``)
+or the Adasum of parameter deltas after each local step (``ddp_adasum``). Lightning's ``DeepSpeedStrategy``
+is built the same way: the engine communicates gradients, ``DDPStrategy``'s code does everything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from pytorch_lightning.accelerators import Accelerator
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import SyncBatchNorm
+from typing_extensions import override
+
+from adasum_lightning import validation
+from adasum_lightning.learning_rate import check_lr_scaling, scale_learning_rates
+
+from . import _compat
+
+__all__ = ["UnwrappedDDPStrategy", "reported_on_every_rank"]
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a process stopped by SIGTERM (shells report 128 + signal number).
+SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
+
+
+class UnwrappedDDPStrategy(DDPStrategy):
+    """``DDPStrategy``'s process group and collectives, without ``DistributedDataParallel``.
+
+    Subclasses reduce the training update themselves. Common to all of them:
+
+    - at fit start every rank takes rank 0's parameters and buffers (Lightning's own bucketed broadcast,
+      any dtype, bool and non-contiguous tensors included);
+    - the DistributedSampler gets the world size and one shuffling seed for all ranks (rank 0's
+      ``seed_everything`` seed), so shards are disjoint even when each rank seeded differently;
+    - ``lr_scaling`` multiplies every learning rate once when fitting starts (:meth:`lr_scale_factor`);
+    - a ``SIGTERM`` that stops training (Lightning's ``SIGTERMException``) ends the process with exit
+      status 143 (128 + SIGTERM) instead of 0, so launchers and schedulers see the job as stopped.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            ``DDPStrategy``; Lightning fills them from the ``Trainer`` arguments.
+        process_group_backend: ``torch.distributed`` backend; default ``"gloo"`` on CPU, ``"nccl"`` on GPU.
+        timeout: how long a collective of the process group may wait (``torch.distributed``'s timeout).
+        start_method: how Lightning starts processes when it launches them itself (``DDPStrategy``'s).
+        lr_scaling: ``"auto"`` (the subclass's policy), ``"none"`` (factor 1) or a positive number used as
+            the factor. It multiplies each param group's ``lr`` (and ``initial_lr``/``max_lr``/``min_lr`` when
+            a scheduler keeps them) and every scheduler's ``base_lrs``, once, when fitting starts.
+
+    Raises:
+        ValueError: an invalid ``lr_scaling``.
+    """
+
+    #: Registered name (set by each subclass).
+    strategy_name: str = ""
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        lr_scaling: str | float = "auto",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.lr_scaling = check_lr_scaling(lr_scaling)
+        #: The learning-rate factor applied when fitting started (None before).
+        self.lr_factor: float | None = None
+        self._sampler_seed = 0
+        self._pending_sigterm: tuple[Any, int, Any] | None = None
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank, "seed": self._sampler_seed}
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._sampler_seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", 0)), src=0)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            with reported_on_every_rank(self.global_rank):
+                self._validate_trainer(trainer)
+        super().setup(trainer)
+        assert self.lightning_module is not None
+        validation.check_single_device(
+            [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
+        )
+        if fitting:
+            self.lr_factor = self.lr_scale_factor()
+            scale_learning_rates(
+                self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.lr_factor
+            )
+            rank_zero_info(
+                f"{type(self).__name__}: world size {self.world_size}, {self._describe_reduction()}, "
+                f"learning-rate factor {self.lr_factor:g} (lr_scaling={self.lr_scaling!r})"
+            )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._defer_sigterm_to_step_end()
+
+    def _defer_sigterm_to_step_end(self) -> None:
+        """Run Lightning's SIGTERM handler at the end of an optimizer step instead of when the signal arrives.
+
+        Lightning's handler (``_SignalConnector``) broadcasts from rank 0 *inside the signal handler*; the
+        other ranks take that broadcast at their next training batch (then a barrier), and everyone stops
+        at the same step. The signal can arrive while the other ranks wait for rank 0 in the update
+        reduction (Horovod's allreduce, or the Adasum exchange): rank 0 then blocks in the broadcast and
+        they in the reduction (seen here: both still waiting 90 s later). Here the handler only records
+        the signal; :meth:`_deliver_pending_sigterm` runs Lightning's handler once the step's reduction is
+        complete, where the other ranks' next collectives are that broadcast and barrier (unless a callback
+        adds one in between, as under DDP).
+        """
+        lightning_handler = signal.getsignal(signal.SIGTERM)
+        if not callable(lightning_handler):
+            return
+
+        def record(signum: int, frame: Any) -> None:
+            log.info(f"[rank: {self.global_rank}] SIGTERM received; handled when this optimizer step ends")
+            self._pending_sigterm = (lightning_handler, signum, frame)
+
+        signal.signal(signal.SIGTERM, record)
+
+    def _deliver_pending_sigterm(self) -> None:
+        """Run a SIGTERM handler deferred by :meth:`_defer_sigterm_to_step_end` (call when a step's update
+        reduction is complete)."""
+        if self._pending_sigterm is not None:
+            handler, signum, frame = self._pending_sigterm
+            self._pending_sigterm = None
+            handler(signum, frame)
+            if self.world_size > 1 and _compat.has_sigterm_agreement():
+                # the barrier the other ranks pass after taking that broadcast, before they stop
+                self.barrier("sigterm")
+
+    def _validate_trainer(self, trainer: pl.Trainer) -> None:
+        """Rules on the Trainer's settings and the module, checked when fitting sets up, before any step."""
+        assert self.model is not None
+        sync_layers = [name for name, m in self.model.named_modules() if isinstance(m, SyncBatchNorm)]
+        validation.check_sync_batchnorm(self.root_device.type, self._layer_sync is not None, sync_layers)
+
+    @override
+    def configure_ddp(self) -> None:
+        """Take rank 0's parameters and buffers instead of wrapping the module in ``DistributedDataParallel``.
+
+        Non-contiguous parameters are made contiguous first (same values, same ``Parameter`` objects), so
+        that the update reductions can work on them in place.
+        """
+        assert self.model is not None
+        for param in self.model.parameters():
+            if not param.data.is_contiguous():
+                param.data = param.data.contiguous()
+        _compat.sync_module_states(self.model)
+
+    def lr_scale_factor(self) -> float:
+        """The factor applied to the learning rates when fitting starts (see ``lr_scaling``)."""
+        if self.lr_scaling == "none":
+            return 1.0
+        if self.lr_scaling == "auto":
+            return self._auto_lr_factor()
+        return float(self.lr_scaling)
+
+    def _auto_lr_factor(self) -> float:
+        return 1.0
+
+    def _describe_reduction(self) -> str:
+        return type(self).__name__
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint on every rank; a missing or unreadable file raises an error naming the fix.
+
+        Raises:
+            FileNotFoundError: the file does not exist on this rank.
+            RuntimeError: the file is truncated, corrupt or not a Lightning checkpoint.
+        """
+        # pytorch-lightning < 2.5 has no weights_only argument here
+        kwargs = {} if weights_only is None else {"weights_only": weights_only}
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, **kwargs)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint_path} does not exist on rank {self.global_rank}. Pass the path of a "
+                "checkpoint that every rank can read (Lightning writes them under "
+                "<default_root_dir>/.../checkpoints/), or ckpt_path=None to start from scratch."
+            ) from err
+        except validation.CHECKPOINT_READ_ERRORS as err:
+            raise validation.unreadable_checkpoint(checkpoint_path, err, self.global_rank) from err
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise RuntimeError(
+                f"checkpoint {checkpoint_path} holds no 'state_dict': it is not a Lightning checkpoint. "
+                "Pass a file written by Trainer.fit (ModelCheckpoint), or ckpt_path=None."
+            )
+        return checkpoint
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # Lightning raises SIGTERMException, a SystemExit without a code (exit status 0), once the ranks agree
+        # to stop after a SIGTERM; a preempted job must not look like a finished one.
+        if isinstance(exception, SIGTERMException) and exception.code in (None, 0):
+            exception.code = SIGTERM_EXIT_CODE
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0], override=True
+        )
+
+
+@contextlib.contextmanager
+def reported_on_every_rank(rank: int) -> Iterator[None]:
+    """Print a refused configuration on this rank at once: when the first rank exits, the launcher kills the
+    others, which could then die before Python prints their traceback."""
+    try:
+        yield
+    except validation.AdasumConfigurationError as err:
+        print(f"AdasumConfigurationError on rank {rank}: {err}", file=sys.stderr, flush=True)
+        raise

@@ -1,0 +1,198 @@
+"""Every private Horovod, Lightning and torch API this project uses, in one place.
+
+Each entry names where it was read and in which versions; :func:`missing` checks that the installed
+versions still have them (``tests/test_compat.py`` fails loudly, naming the entry, when one is gone).
+Nothing else in the project reaches into another package's private names.
+
+Read from: pytorch-lightning 2.4.0 and 2.6.6 (and lightning 2.6.6, the same sources under
+``lightning.pytorch``), Horovod 0.28.1 (``horovod/torch/optimizer.py``), torch 2.14.1
+(``torch/optim/lr_scheduler.py``, ``torch/distributed/utils.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pytorch_lightning.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+from pytorch_lightning.overrides.distributed import _sync_module_states
+from torch.optim import Optimizer
+
+__all__ = [
+    "PRIVATE_APIS",
+    "missing",
+    "configure_optimizers",
+    "configure_schedulers",
+    "sync_module_states",
+    "lightning_optimizers",
+    "unwrap_lightning_optimizer",
+    "has_sigterm_agreement",
+    "is_horovod_adasum_optimizer",
+    "horovod_completes_window",
+    "horovod_requires_update",
+    "release_horovod_hooks",
+    "mark_step_for_schedulers",
+]
+
+
+@dataclass(frozen=True)
+class PrivateApi:
+    """One private name: ``module`` holds ``name``; ``attributes`` must appear in its source."""
+
+    module: str
+    name: str
+    read_from: str
+    attributes: tuple[str, ...] = ()
+    optional: bool = False  # a feature some supported versions lack (used only where present)
+
+
+PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi("pytorch_lightning.core.optimizer", "_configure_optimizers", "pytorch-lightning 2.4.0, 2.6.6"),
+    PrivateApi(
+        "pytorch_lightning.core.optimizer",
+        "_configure_schedulers_automatic_opt",
+        "pytorch-lightning 2.4.0, 2.6.6",
+    ),
+    # Lightning's own broadcast of a module's parameters and buffers from rank 0 (DDPStrategy uses it when it
+    # does not wrap the module); it calls torch.distributed.utils._sync_module_states.
+    PrivateApi(
+        "pytorch_lightning.overrides.distributed", "_sync_module_states", "pytorch-lightning 2.4.0, 2.6.6"
+    ),
+    PrivateApi(
+        "pytorch_lightning.strategies.strategy",
+        "Strategy",
+        "pytorch-lightning 2.4.0, 2.6.6",
+        attributes=("self._lightning_optimizers",),
+    ),
+    PrivateApi(
+        "pytorch_lightning.core.optimizer",
+        "LightningOptimizer",
+        "pytorch-lightning 2.4.0, 2.6.6",
+        ("self._optimizer",),
+    ),
+    # Rank 0's SIGTERM broadcast at every training batch: all ranks stop at the same step.
+    PrivateApi(
+        "pytorch_lightning.loops.training_epoch_loop",
+        "_TrainingEpochLoop",
+        "pytorch-lightning 2.6.6 (absent in 2.4.0)",
+        attributes=("_broadcast_sigterm_tensor",),
+        optional=True,
+    ),
+    PrivateApi(
+        "horovod.torch.optimizer",
+        "_DistributedAdasumOptimizer",
+        "Horovod 0.28.1",
+        attributes=(
+            "self._starting_models",
+            "self._allreduce_delay",
+            "self._requires_update",
+            "self._grad_accs",
+        ),
+    ),
+    PrivateApi(
+        "torch.optim.lr_scheduler",
+        "LRScheduler",
+        "torch 2.14.1",
+        attributes=("_wrapped_by_lr_sched", "_opt_called"),
+    ),
+)
+
+
+def _check(api: PrivateApi) -> str | None:
+    try:
+        module = importlib.import_module(api.module)
+    except ImportError as err:
+        return f"{api.module} cannot be imported ({err})"
+    obj = getattr(module, api.name, None)
+    if obj is None:
+        return f"{api.module}.{api.name} is gone (read from {api.read_from})"
+    if api.attributes:
+        source = inspect.getsource(module)
+        lost = [attribute for attribute in api.attributes if attribute not in source]
+        if lost:
+            return f"{api.module}.{api.name} no longer uses {lost} (read from {api.read_from})"
+    return None
+
+
+def missing(include_optional: bool = False) -> list[str]:
+    """One line per private API the installed versions lack (empty when all are there)."""
+    return [
+        problem
+        for api in PRIVATE_APIS
+        if (include_optional or not api.optional) and (problem := _check(api)) is not None
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+#: ``LightningModule.configure_optimizers()``'s output → (optimizers, schedulers, monitor).
+configure_optimizers: Callable[[Any], tuple[list, list, Any]] = _configure_optimizers
+#: Scheduler specs → Lightning's ``LRSchedulerConfig`` list (automatic optimisation).
+configure_schedulers: Callable[[list, Any], list] = _configure_schedulers_automatic_opt
+#: Broadcast a module's parameters and buffers from rank 0 over the default process group, in buckets
+#: (bool, bfloat16 and non-contiguous tensors included).
+sync_module_states: Callable[[Any], None] = _sync_module_states
+
+
+def lightning_optimizers(strategy: Any) -> list[Any]:
+    """The ``LightningOptimizer`` wrappers a strategy keeps next to ``strategy.optimizers``."""
+    return list(strategy._lightning_optimizers)
+
+
+def unwrap_lightning_optimizer(optimizer: Any) -> Optimizer:
+    """The optimizer inside a ``LightningOptimizer`` (the argument itself otherwise)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def has_sigterm_agreement() -> bool:
+    """True when the installed Lightning makes every rank stop at the same step after rank 0's SIGTERM."""
+    from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
+
+    return hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
+
+
+# ---------------------------------------------------------------------------------------------- Horovod
+def is_horovod_adasum_optimizer(optimizer: Optimizer) -> bool:
+    """True for Horovod's ``_DistributedAdasumOptimizer`` (a class Horovod builds at run time)."""
+    return "_starting_models" in vars(optimizer)
+
+
+def horovod_requires_update(optimizer: Optimizer) -> list[Any]:
+    """The parameters Horovod's Adasum optimizer reduces (those with ``requires_grad``)."""
+    return list(optimizer._requires_update)
+
+
+def horovod_completes_window(optimizer: Optimizer, param: Any) -> bool:
+    """True when this backward pass is the last of ``param``'s accumulation window in Horovod's Adasum
+    optimizer: its hook (after a post-accumulate-grad hook) counts ``_allreduce_delay`` down to 0 and then
+    runs the local step at once."""
+    return optimizer._allreduce_delay.get(param) == 1
+
+
+def release_horovod_hooks(optimizer: Optimizer) -> None:
+    """Drop the gradient-accumulator references through which Horovod's optimizer keeps its backward hooks
+    alive, so that a later ``fit`` can wrap fresh optimizers without the old hooks."""
+    grad_accs = getattr(optimizer, "_grad_accs", None)
+    if isinstance(grad_accs, list):
+        grad_accs.clear()
+
+
+# ---------------------------------------------------------------------------------------------- torch
+def mark_step_for_schedulers(optimizer: Optimizer) -> None:
+    """Let torch's LR schedulers see ``step()`` calls of an optimizer wrapped after they were created (as
+    they do for the optimizer they were built with: ``LRScheduler`` patches ``step`` with a marker and sets
+    ``_opt_called``), so that they neither warn nor lose track of the step order."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def step_and_mark(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    step_and_mark._wrapped_by_lr_sched = True
+    optimizer.step = step_and_mark

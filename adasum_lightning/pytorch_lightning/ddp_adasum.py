@@ -1,0 +1,124 @@
+"""``ddp_adasum``: Adasum of parameter deltas on ``torch.distributed``, launched like a Lightning DDP job."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from pytorch_lightning.accelerators import Accelerator
+from pytorch_lightning.plugins.precision import Precision
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from adasum_lightning.allreduce import adasum_allreduce
+
+from ._base import UnwrappedDDPStrategy
+
+__all__ = ["DDPAdasumStrategy"]
+
+
+class DDPAdasumStrategy(UnwrappedDDPStrategy):
+    """Data-parallel training with Adasum on ``torch.distributed``: parameter deltas combined adaptively.
+
+    **Step semantics.** At each optimizer step every rank first runs Lightning's normal local step — the
+    closure (forward and backward), the precision plugin (including fp16's ``GradScaler``: unscaling, and
+    skipping a step whose gradients overflowed), gradient clipping by norm or by value, the accumulation
+    window (``accumulate_grad_batches``: Lightning steps once per window, and on an epoch's last batch for a
+    partial window), manual optimisation's ``opt.step()``, and any closure optimizer such as LBFGS. Then the
+    parameter **deltas** ``d_r = θ_after − θ_before`` of that optimizer's parameters are combined by Adasum
+    over all ranks (:func:`adasum_lightning.adasum_allreduce`) and every rank sets
+    ``θ = θ_before + Adasum(d_0, …, d_{N−1})``, so every rank holds the same parameters after every step. Each
+    rank keeps its own optimizer state (momentum, Adam moments from its local gradients), as under Horovod's
+    Adasum optimizer. Buffers (e.g. BatchNorm running statistics) are not combined: each rank keeps its own.
+
+    Adasum of two deltas ``a``, ``b`` is ``(1 − a·b/2‖a‖²)·a + (1 − a·b/2‖b‖²)·b`` per parameter tensor
+    (Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021), combined over the
+    ranks in Horovod's pairing (``horovod/common/ops/adasum/adasum.h``); any world size works (the ranks above
+    the largest power of 2 are folded into partners first). Orthogonal deltas add, parallel ones average, so
+    the learning rate needs **no world-size scaling** (``lr_scaling="auto"`` is factor 1).
+
+    Lightning starts the processes (``Trainer(devices=N)``), or ``torchrun``, SLURM or an Azure ML PyTorch
+    job does (Lightning's cluster environments); Gloo on CPU, NCCL on GPU. Horovod is not used. Everything
+    else across ranks is Lightning's ``DDPStrategy`` (see :class:`._base.UnwrappedDDPStrategy`).
+
+    Memory: one extra copy of the parameters of the optimizer that steps (``θ_before``), held during the step.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            ``DDPStrategy``; Lightning fills them from the ``Trainer`` arguments.
+        process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (GPU default).
+        timeout: how long a collective may wait for the other ranks before this rank fails
+            (``torch.distributed``'s process-group timeout, default 30 minutes). A lost host is noticed after
+            at most this long; see the README's multi-node section.
+        start_method: how Lightning starts the processes when it launches them (``"popen"``, ``"spawn"``,
+            ``"fork"``, ``"forkserver"``), as for ``DDPStrategy``.
+        lr_scaling: ``"auto"`` (factor 1), ``"none"`` or a positive factor.
+
+    Raises:
+        ValueError: an invalid ``lr_scaling``.
+    """
+
+    strategy_name = "ddp_adasum"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        lr_scaling: str | float = "auto",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            lr_scaling=lr_scaling,
+        )
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def _describe_reduction(self) -> str:
+        return f"Adasum of parameter deltas over {self.process_group_backend}"
+
+    # ------------------------------------------------------------------------------------------ step
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
+        if self.world_size == 1:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self._deliver_pending_sigterm()
+            return output
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            before = [p.detach().clone() for p in params]
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with torch.no_grad():
+            # Turn each parameter into its delta in place, combine, add back: one extra copy (``before``).
+            deltas = [p.data for p in params]
+            for delta, start in zip(deltas, before, strict=True):
+                delta.sub_(start)
+            adasum_allreduce(deltas)
+            for delta, start in zip(deltas, before, strict=True):
+                delta.add_(start)
+        self._deliver_pending_sigterm()
+        return output

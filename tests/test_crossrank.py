@@ -1,0 +1,294 @@
+"""What Lightning does across ranks works under the Horovod strategies (real horovodrun, 2 ranks).
+
+Each test runs ``tests/workers/crossrank.py`` under ``horovodrun -np 2`` and checks every rank's record.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torchmetrics
+
+from adasum_lightning.launchers import SeenLauncher
+from adasum_lightning.validation import (
+    check_closure_optimizers,
+    check_horovod_dtypes,
+    check_launch,
+    check_sync_batchnorm,
+)
+from tests.helpers import (
+    ROOT,
+    TAG,
+    assert_every_rank_says,
+    assert_ranks_identical,
+    expected_message,
+    horovodrun_cmd,
+    load_ranks,
+    mpi_env,
+    run_horovod,
+)
+from tests.workers.lightning import adasum_strategies
+
+pytestmark = pytest.mark.mpi
+
+HOROVOD = ["horovod_adasum", "horovod"]
+
+
+def crossrank(tmp_path: Path, case: str, strategy: str, *args: str, check: bool = True, timeout: float = 180):
+    return run_horovod(
+        2,
+        "crossrank",
+        str(tmp_path),
+        "--case",
+        case,
+        "--strategy",
+        strategy,
+        *args,
+        check=check,
+        timeout=timeout,
+    )
+
+
+# ---------------------------------------------------------------- 1: synchronised batch norm
+@pytest.mark.parametrize("strategy", HOROVOD)
+@pytest.mark.parametrize("how", ["--sync-batchnorm", "--convert-sync-bn"])
+def test_sync_batchnorm_on_cpu_is_refused_before_any_step(strategy, how, tmp_path):
+    proc = crossrank(tmp_path, "batchnorm", strategy, how, check=False)
+    assert proc.returncode != 0
+    layers = [] if how == "--sync-batchnorm" else ["bn"]
+    message = expected_message(check_sync_batchnorm, "cpu", how == "--sync-batchnorm", layers)
+    assert_every_rank_says(proc, 2, message)
+    assert_refused_before_any_step(tmp_path)
+
+
+def assert_refused_before_any_step(tmp_path: Path, np: int = 2) -> None:
+    """Every rank stopped on the configuration error (its record, written from ``on_exception``), stepless."""
+    for res in load_ranks(tmp_path, np):
+        assert res["exception"] == "AdasumConfigurationError" and res["steps"] == []
+
+
+def test_without_sync_batchnorm_each_rank_keeps_its_own_statistics(tmp_path):
+    crossrank(tmp_path, "batchnorm", "horovod_adasum")
+    ranks = load_ranks(tmp_path, 2)
+    params = {k: v for k, v in ranks[0]["end"].items() if "running" not in k and "num_batches" not in k}
+    for name in params:  # parameters identical …
+        assert torch.equal(ranks[0]["end"][name], ranks[1]["end"][name]), name
+    # … running statistics are each rank's own (its data are shifted by 3 × rank)
+    mean0, mean1 = ranks[0]["end"]["bn.running_mean"], ranks[1]["end"]["bn.running_mean"]
+    assert not torch.allclose(mean0, mean1)
+
+
+# ---------------------------------------------------------------- 2, 3: bool and non-contiguous state
+@pytest.mark.parametrize("strategy", HOROVOD)
+def test_bool_buffer_trains_and_equals_rank_zeros(strategy, tmp_path):
+    crossrank(tmp_path, "mask", strategy)
+    ranks = load_ranks(tmp_path, 2)
+    rank0_mask = ranks[0]["start"]["mask"]
+    assert rank0_mask.dtype == torch.bool and int(rank0_mask.sum()) == 2
+    assert int(ranks[1]["start"]["mask"].sum()) == 3  # differed before fit
+    for res in ranks:
+        assert torch.equal(res["end"]["mask"], rank0_mask)
+        assert res["global_step"] == 4
+    assert_ranks_identical(ranks)
+
+
+@pytest.mark.parametrize("strategy", HOROVOD)
+def test_non_contiguous_parameter_and_buffer_train_identically(strategy, tmp_path):
+    crossrank(tmp_path, "noncontiguous", strategy)
+    ranks = load_ranks(tmp_path, 2)
+    assert_ranks_identical(ranks)
+    for res in ranks:
+        assert torch.equal(res["end"]["scale"], ranks[0]["start"]["scale"])  # rank 0's buffer
+        assert not torch.equal(res["end"]["extra"], ranks[0]["start"]["extra"])  # the parameter trained
+
+
+# ---------------------------------------------------------------- 4: bf16-true
+@pytest.mark.parametrize("strategy", HOROVOD)
+def test_bf16_true_is_refused_before_any_step_naming_bf16_mixed(strategy, tmp_path):
+    proc = crossrank(tmp_path, "mask", strategy, "--precision", "bf16-true", check=False)
+    assert proc.returncode != 0
+    message = expected_message(check_horovod_dtypes, strategy, "cpu", {torch.bfloat16})
+    assert "Use precision='bf16-mixed'" in message
+    assert_every_rank_says(proc, 2, message)
+
+
+# ---------------------------------------------------------------- 5: all_gather with gradients
+@pytest.mark.parametrize("strategy", HOROVOD)
+def test_all_gather_with_gradients_sums_them_like_ddp(strategy, tmp_path):
+    crossrank(tmp_path, "gather", strategy, "--steps", "1")
+    ranks = load_ranks(tmp_path, 2)
+    for r, res in enumerate(ranks):
+        assert torch.equal(res["gathered"], torch.tensor([[1.0], [2.0]]))
+        # loss = Σ gathered on each rank; x_r = w·(r+1): the gradient of x_r sums both ranks' (1 + 1)
+        assert torch.equal(res["w_grads"][0], torch.tensor([2.0 * (r + 1)]))
+
+
+# ---------------------------------------------------------------- 6: torchmetrics with list states
+@pytest.mark.parametrize("strategy", HOROVOD)
+@pytest.mark.parametrize("kwargs", [False, True], ids=["plain", "horovod_sync_kwargs"])
+def test_torchmetrics_list_states_are_computed_over_every_rank(strategy, kwargs, tmp_path):
+    crossrank(tmp_path, "metrics", strategy, *(["--pass-horovod-sync-kwargs"] if kwargs else []))
+    ranks = load_ranks(tmp_path, 2)
+    values, preds, targets = [], [], []
+    for r in range(2):  # what the worker's ranks fed in (3 and 6 samples)
+        count = 3 * (r + 1)
+        values.append(torch.arange(count, dtype=torch.float32) + 100 * r)
+        gen = torch.Generator().manual_seed(r)
+        preds.append(torch.rand(count, generator=gen))
+        target = torch.randint(0, 2, (count,), generator=gen)
+        target[0] = -1
+        targets.append(target)
+    auroc = torchmetrics.classification.BinaryAUROC(ignore_index=-1)(torch.cat(preds), torch.cat(targets))
+    for res in ranks:
+        assert torch.equal(res["cat"], torch.cat(values))
+        assert torch.equal(res["auroc"], auroc)
+
+
+# ---------------------------------------------------------------- 10: closure optimizers
+def test_lbfgs_is_refused_by_horovod_adasum_before_any_step(tmp_path):
+    proc = crossrank(tmp_path, "lbfgs", "horovod_adasum", check=False)
+    assert proc.returncode != 0
+    assert_every_rank_says(proc, 2, expected_message(check_closure_optimizers, "horovod_adasum", ["LBFGS"]))
+
+
+def test_lbfgs_trains_identically_under_horovod_averaging(tmp_path):
+    crossrank(tmp_path, "lbfgs", "horovod")
+    ranks = load_ranks(tmp_path, 2)
+    assert_ranks_identical(ranks)
+    assert all(res["global_step"] == 4 for res in ranks)
+    assert not torch.equal(ranks[0]["end"]["head.weight"], ranks[0]["start"]["head.weight"])
+
+
+# ---------------------------------------------------------------- 7: SIGTERM to rank 0
+@pytest.mark.parametrize("strategy", HOROVOD)
+def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_path):
+    if not adasum_strategies._compat.has_sigterm_agreement():
+        pytest.skip(
+            "this Lightning has no SIGTERM agreement between ranks (added after 2.4; DDP lacks it too)"
+        )
+    start = time.monotonic()
+    proc = crossrank(tmp_path, "sigterm", strategy, "--sigterm-step", "3", check=False, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and elapsed < 60, (proc.returncode, elapsed, proc.stderr[-3000:])
+    ranks = load_ranks(tmp_path, 2)
+    steps = {res["global_step"] for res in ranks}
+    assert len(steps) == 1 and steps.pop() >= 3, [res["global_step"] for res in ranks]
+    assert all(res["exception"] == "SIGTERMException" for res in ranks)
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 1
+
+
+# ---------------------------------------------------------------- 8: SIGTERM to the launcher
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = (
+        Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] if Path(f"/proc/{pid}").exists() else "X"
+    )
+    return state not in ("Z", "X")
+
+
+@pytest.mark.parametrize("launcher", ["adasum-horovodrun", "mpirun"])
+def test_sigterm_to_the_launcher_ends_every_rank(launcher, tmp_path):
+    worker = [sys.executable, "-m", "tests.workers.crossrank", str(tmp_path), "--case", "long"]
+    if launcher == "mpirun":
+        cmd = [
+            "mpirun",
+            "-np",
+            "2",
+            "--oversubscribe",
+            "--mca",
+            "mpi_yield_when_idle",
+            "1",
+            *worker[:1],
+            *worker[1:],
+        ]
+    else:
+        cmd = [str(Path(sys.executable).with_name("adasum-horovodrun")), *horovodrun_cmd(2)[1:], *worker]
+    job = subprocess.Popen(
+        cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        started = _wait_for(lambda: all((tmp_path / f"step{r}").exists() for r in range(2)), 120)
+        assert started, "the ranks did not start training"
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        sent = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 60), (
+            "ranks still running 60 s after SIGTERM"
+        )
+        rc = job.wait(timeout=30)
+        elapsed = time.monotonic() - sent
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for r in range(2):
+            pid_file = tmp_path / f"pid{r}"
+            if pid_file.exists() and _alive(pid := int(pid_file.read_text())):
+                os.kill(pid, signal.SIGKILL)
+    assert rc != 0 and elapsed < 60, (rc, elapsed)
+
+
+# ---------------------------------------------------------------- 9: the wrong launcher
+def test_torchrun_is_refused_on_every_process_naming_horovodrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tests.workers.crossrank",
+        str(tmp_path),
+        "--case",
+        "mask",
+    ]
+    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    message = expected_message(check_launch, 1, SeenLauncher("torchrun", 2, "WORLD_SIZE", False), 1)
+    assert "torchrun started 2 processes" in message and "horovodrun -np 2" in message
+    out = proc.stdout + proc.stderr
+    assert out.count(f"AdasumConfigurationError on rank 0: {message}") == 2, out[
+        -4000:
+    ]  # each process: rank 0
+    assert_refused_before_any_step(tmp_path, np=1)  # both processes are "rank 0" of a world of 1
+
+
+@pytest.mark.parametrize("strategy", HOROVOD)
+def test_devices_two_in_a_plain_process_is_refused(strategy, tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.workers.crossrank",
+        str(tmp_path),
+        "--case",
+        "mask",
+        "--strategy",
+        strategy,
+        "--devices",
+        "2",
+    ]
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_COMM", "PMI_", "HOROVOD_"))}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    message = expected_message(check_launch, 1, None, 2)
+    assert "no launcher (a plain `python` start)" in message and "horovodrun -np 2" in message
+    assert f"AdasumConfigurationError on rank 0: {message}" in TAG.sub("", proc.stderr), proc.stderr[-3000:]
+    assert_refused_before_any_step(tmp_path, np=1)

@@ -1,0 +1,217 @@
+"""``ddp_adasum``: Adasum of parameter deltas on torch.distributed, launched by Lightning itself or torchrun.
+
+Every test runs real processes (``Trainer(devices=N)`` started as a plain ``python``, or ``torchrun``) and
+checks every rank against a reference computed here in one process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adasum_lightning.ops import adasum, adasum_reduce
+from tests.helpers import assert_ranks_identical, load_ranks, run_horovod, run_lightning, run_torchrun
+from tests.workers.tiny import tiny_net
+
+pytestmark = pytest.mark.mpi
+
+
+def strip(state: dict) -> dict:
+    return {k.removeprefix("net."): v for k, v in state.items()}
+
+
+def local_delta(start, batches, *, lr=0.1, momentum=0.5, optimizer="sgd", clip_norm=None, bf16=False):
+    """One rank's local step of the tiny net from ``start`` on the mean loss of ``batches`` (Lightning divides
+    each micro-batch's loss by their number): {name: new − start}."""
+    net = tiny_net()
+    net.load_state_dict(start)
+    if optimizer == "lbfgs":
+        opt = torch.optim.LBFGS(net.parameters(), lr=lr, max_iter=5)
+        x, y = batches[0]
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(net(x), y) / len(batches)
+            loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
+        opt.step()
+    return {k: v.detach() - start[k] for k, v in net.state_dict().items()}
+
+
+def assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-5, atol=1e-7):
+    start = strip(ranks[0]["start"])
+    for r, res in enumerate(ranks):
+        for name, end in strip(res["end"]).items():
+            expected = start[name] + adasum_reduce([d[name] for d in deltas])
+            assert torch.allclose(end, expected, rtol=rtol, atol=atol), (
+                r,
+                name,
+                (end - expected).abs().max(),
+            )
+
+
+# ---------------------------------------------------------------- launched by Lightning and by torchrun
+@pytest.mark.parametrize("np", [2, 4])
+def test_lightning_launches_the_processes_and_ranks_stay_identical(np, tmp_path):
+    run_lightning(np, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--scheduler", "step", "--lr", "0.05")
+    ranks = load_ranks(tmp_path, np)
+    assert_ranks_identical(ranks, "start")  # rank 0's initial weights (each rank seeded differently)
+    assert_ranks_identical(ranks, "end")
+    for res in ranks:
+        assert res["world_size"] == np and res["global_step"] == 2 * 64 // np // 4
+        assert res["start_lr"] == pytest.approx(0.05) and res["base_lrs"] == [pytest.approx(0.05)]  # unscaled
+    for e in range(2):  # disjoint, complete shards
+        per_epoch = 64 // np
+        seen = [set(res["indices"][e * per_epoch : (e + 1) * per_epoch]) for res in ranks]
+        assert set().union(*seen) == set(range(64)) and sum(map(len, seen)) == 64
+
+
+def test_torchrun_launches_the_processes(tmp_path):
+    run_torchrun(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1")
+    ranks = load_ranks(tmp_path, 2)
+    assert all(res["world_size"] == 2 and res["global_step"] == 8 for res in ranks)
+    assert_ranks_identical(ranks)
+
+
+def test_one_step_is_the_adasum_of_the_local_deltas(tmp_path):
+    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1")
+    ranks = load_ranks(tmp_path, 2)
+    start = strip(ranks[0]["start"])
+    deltas = [local_delta(start, res["batches"][:1]) for res in ranks]
+    assert not torch.equal(ranks[0]["batches"][0][0], ranks[1]["batches"][0][0])
+    assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas)
+    # and it is neither their sum nor their mean
+    end = strip(ranks[0]["end"])["0.weight"]
+    for combined in (
+        deltas[0]["0.weight"] + deltas[1]["0.weight"],
+        (deltas[0]["0.weight"] + deltas[1]["0.weight"]) / 2,
+    ):
+        assert not torch.allclose(end, start["0.weight"] + combined, rtol=1e-5, atol=1e-7)
+
+
+def test_three_processes_use_the_documented_order(tmp_path):
+    run_lightning(3, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1", "--samples", "96")
+    ranks = load_ranks(tmp_path, 3)
+    start = strip(ranks[0]["start"])
+    deltas = [local_delta(start, res["batches"][:1]) for res in ranks]
+    assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas)
+    # rank 2 is folded into rank 0 first: adasum(adasum(d0, d2), d1), which is not adasum(adasum(d0, d1), d2)
+    name = "0.weight"
+    folded = adasum(adasum(deltas[0][name], deltas[2][name]), deltas[1][name])
+    assert torch.allclose(strip(ranks[0]["end"])[name], start[name] + folded, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- the same result as Horovod's Adasum
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_same_training_as_horovod_adasum(optimizer, tmp_path):
+    args = ["--epochs", "3", "--optimizer", optimizer, "--lr", "0.05"]  # 3 epochs × 8 steps = 24 steps
+    (tmp_path / "ddp").mkdir(), (tmp_path / "hvd").mkdir()
+    run_lightning(2, "fit", str(tmp_path / "ddp"), "--strategy", "ddp_adasum", *args)
+    run_horovod(2, "fit", str(tmp_path / "hvd"), "--strategy", "horovod_adasum", *args)
+    ddp, hvd = load_ranks(tmp_path / "ddp", 2), load_ranks(tmp_path / "hvd", 2)
+    assert_ranks_identical(ddp)
+    assert (
+        ddp[0]["indices"] == hvd[0]["indices"] and ddp[1]["indices"] == hvd[1]["indices"]
+    )  # same data order
+    assert all(res["global_step"] == 24 for res in ddp + hvd)
+    for name, tensor in hvd[0]["end"].items():
+        change = (tensor - hvd[0]["start"][name]).abs().max().item()
+        diff = (ddp[0]["end"][name] - tensor).abs().max().item()
+        assert diff <= 1e-5 * max(change, 1e-3), (name, diff, change)  # float32 rounding only
+
+
+# ---------------------------------------------------------------- what Horovod's Adasum optimizer forbids
+def test_norm_clipping_clips_the_delta_of_a_huge_gradient(tmp_path):
+    scale, clip = 1e4, 0.5
+    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1", "--momentum", "0",
+                  "--loss-scale", str(scale), "--clip-value", str(clip),
+                  "--clip-algorithm", "norm")  # fmt: skip
+    ranks = load_ranks(tmp_path, 2)
+    start = strip(ranks[0]["start"])
+    deltas = [local_delta(start, res["batches"][:1], momentum=0.0, clip_norm=clip) for res in ranks]
+    for d in deltas:  # the reference's local deltas were clipped: ‖lr · g‖ ≤ lr · clip
+        assert torch.cat([v.flatten() for v in d.values()]).norm() <= 0.1 * clip * (1 + 1e-5)
+    assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas)
+
+
+def test_bf16_mixed_on_cpu(tmp_path):
+    run_lightning(
+        2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1", "--precision", "bf16-mixed"
+    )
+    ranks = load_ranks(tmp_path, 2)
+    start = strip(ranks[0]["start"])
+    deltas = [local_delta(start, res["batches"][:1], bf16=True) for res in ranks]
+    assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-4, atol=1e-6)
+
+
+def test_fp16_gradient_scaler_skips_an_overflowing_rank(tmp_path):
+    # Rank 0's loss is infinite at step 0: its scaler skips the step, its delta is 0, and the Adasum of
+    # (0, d1) is d1 exactly (a zero vector's coefficient is 1).
+    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1", "--fp16-scaler",
+                  "--inf-rank", "0", "--inf-step", "0")  # fmt: skip
+    ranks = load_ranks(tmp_path, 2)
+    start = strip(ranks[0]["start"])
+    delta1 = local_delta(start, ranks[1]["batches"][:1])  # in float32: fp16 autocast changes only rounding
+    for res in ranks:
+        for name, end in strip(res["end"]).items():
+            assert torch.allclose(end, start[name] + delta1[name], rtol=2e-3, atol=2e-5), name
+    assert_ranks_identical(ranks)
+
+
+def test_lbfgs(tmp_path):
+    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1",
+                  "--optimizer", "lbfgs", "--lr", "0.5")  # fmt: skip
+    ranks = load_ranks(tmp_path, 2)
+    start = strip(ranks[0]["start"])
+    deltas = [local_delta(start, res["batches"][:1], optimizer="lbfgs", lr=0.5) for res in ranks]
+    assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-4, atol=1e-6)
+
+
+def test_accumulation_with_a_partial_window(tmp_path):
+    # 40 samples / 2 ranks / batch 4 = 5 batches, k = 3: windows 3 + 2 (the partial one is stepped).
+    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1", "--samples", "40",
+                  "--accumulate", "3", "--momentum", "0")  # fmt: skip
+    ranks = load_ranks(tmp_path, 2)
+    assert all(res["global_step"] == 2 for res in ranks)
+    assert_ranks_identical(ranks)
+    start = strip(ranks[0]["start"])
+    first = [local_delta(start, res["batches"][:3], momentum=0.0) for res in ranks]  # window 1: batches 0–2
+    after_first = {k: start[k] + adasum(first[0][k], first[1][k]) for k in start}
+    # Window 2 (batches 3–4) is partial; Lightning still divides each micro-batch's loss by k = 3.
+    second = []
+    for res in ranks:
+        net = tiny_net()
+        net.load_state_dict(after_first)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for x, y in res["batches"][3:5]:
+            (F.cross_entropy(net(x), y) / 3).backward()
+        opt.step()
+        second.append({k: v.detach() - after_first[k] for k, v in net.state_dict().items()})
+    for r, res in enumerate(ranks):
+        for name, end in strip(res["end"]).items():
+            expected = after_first[name] + adasum(second[0][name], second[1][name])
+            assert torch.allclose(end, expected, rtol=1e-5, atol=1e-7), (r, name)
+
+
+# ---------------------------------------------------------------- faults
+def test_a_killed_rank_ends_the_job_quickly(tmp_path):
+    start = time.monotonic()
+    proc = run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "50",
+                         "--kill-rank", "1", "--kill-at-step", "5", check=False, timeout=120)  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert elapsed < 60, elapsed
+    assert not list(tmp_path.glob("rank*.pt"))

@@ -1,0 +1,200 @@
+"""Both Lightning package names: every strategy by name and as an instance, with ``pytorch_lightning`` and
+with ``lightning.pytorch``, in real multi-process runs; the import rules; LightningCLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from adasum_lightning import _namespaces
+from tests.helpers import ROOT, assert_ranks_identical, load_ranks, mpi_env, run_horovod
+from tests.workers.lightning import PACKAGE
+
+PACKAGES = ["pytorch_lightning", "lightning.pytorch"]
+HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
+needs_lightning = pytest.mark.skipif(
+    not HAS_LIGHTNING, reason="the unified `lightning` package is not installed"
+)
+
+
+def _package_param(package: str):
+    return pytest.param(package, marks=needs_lightning) if package == "lightning.pytorch" else package
+
+
+def check_fit(ranks: list[dict], package: str, strategy_class: str, np: int = 2) -> None:
+    copy = (
+        "adasum_lightning.lightning"
+        if package == "lightning.pytorch"
+        else "adasum_lightning.pytorch_lightning"
+    )
+    for res in ranks:
+        assert res["world_size"] == np and res["global_step"] == 2 * 32 // 4 // np
+        assert res["strategy_class"].startswith(copy) and res["strategy_class"].endswith(strategy_class)
+        assert f"{package}.strategies.ddp.DDPStrategy" in res["strategy_base"]
+        # the script imported one Lightning package, and so did adasum_lightning
+        assert res["imported"] == [package.split(".")[0]]
+        assert res["logged"] == pytest.approx(1.5)  # sync_dist mean of rank + 1 over 2 ranks
+    assert_ranks_identical(ranks)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
+@pytest.mark.parametrize("by", ["name", "instance"])
+@pytest.mark.parametrize(
+    ("strategy", "cls"), [("horovod_adasum", "HorovodAdasumStrategy"), ("horovod", "HorovodStrategy")]
+)
+def test_horovod_strategies_with_each_package(package, by, strategy, cls, tmp_path):
+    run_horovod(2, "packages", str(tmp_path), "--package", package, "--strategy", strategy, "--by", by)
+    check_fit(load_ranks(tmp_path, 2), package, cls)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
+@pytest.mark.parametrize("by", ["name", "instance"])
+def test_ddp_adasum_with_each_package_launched_by_lightning(package, by, tmp_path):
+    cmd = [sys.executable, "-m", "tests.workers.packages", str(tmp_path), "--package", package,
+           "--strategy", "ddp_adasum", "--by", by, "--devices", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    check_fit(load_ranks(tmp_path, 2), package, "DDPAdasumStrategy")
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], env=mpi_env(), capture_output=True, text=True, timeout=120
+    )
+
+
+@needs_lightning
+def test_a_bare_name_follows_the_imported_package_and_is_refused_when_ambiguous():
+    code = (
+        "import adasum_lightning, sys\n"
+        "import lightning as L\n"
+        "s = adasum_lightning.HorovodAdasumStrategy\n"
+        "print(s.__module__, 'pytorch_lightning' in sys.modules)\n"
+        "t = L.Trainer(strategy=s(), accelerator='cpu', logger=False)\n"
+        "import pytorch_lightning\n"
+        "try:\n    adasum_lightning.DDPAdasumStrategy\nexcept ImportError as e:\n    print(e)\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "adasum_lightning.lightning.horovod False"
+    assert lines[1] == _namespaces.AMBIGUOUS_MESSAGE
+
+
+def test_import_without_any_lightning_names_both_packages():
+    code = (
+        "import sys\n"
+        "sys.modules['pytorch_lightning'] = sys.modules['lightning'] = None  # as if neither were installed\n"
+        "import adasum_lightning\n"
+    )
+    proc = _python(code)
+    assert proc.returncode != 0
+    assert f"ImportError: {_namespaces.missing_lightning_message()}" in proc.stderr
+    assert "pip install lightning" in proc.stderr and "pip install pytorch-lightning" in proc.stderr
+
+
+@pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
+def test_each_registry_holds_the_three_names_with_its_own_classes(package):
+    code = (
+        f"import adasum_lightning, importlib; pl = importlib.import_module({package!r})\n"
+        "from importlib import import_module\n"
+        f"registry = import_module({package!r} + '.strategies').StrategyRegistry\n"
+        "for name in ('horovod_adasum', 'horovod', 'ddp_adasum'):\n"
+        "    cls = registry[name]['strategy']\n"
+        "    print(name, cls.__module__, cls.__name__, issubclass(cls, pl.strategies.Strategy))\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    copy = (
+        "adasum_lightning.lightning"
+        if package == "lightning.pytorch"
+        else "adasum_lightning.pytorch_lightning"
+    )
+    assert proc.stdout.splitlines() == [
+        f"horovod_adasum {copy}.horovod HorovodAdasumStrategy True",
+        f"horovod {copy}.horovod HorovodStrategy True",
+        f"ddp_adasum {copy}.ddp_adasum DDPAdasumStrategy True",
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("jsonargparse") is None, reason="LightningCLI needs jsonargparse"
+)
+@pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
+@pytest.mark.parametrize("strategy", ["ddp_adasum", "horovod_adasum", "adasum_lightning.DDPAdasumStrategy"])
+def test_lightning_cli_of_each_package_finds_the_strategies(package, strategy, tmp_path):
+    code = (
+        "import importlib, sys\nimport adasum_lightning\n"
+        f"cli = importlib.import_module({package!r} + '.cli')\n"
+        f"demos = importlib.import_module({package!r} + '.demos.boring_classes')\n"
+        "c = cli.LightningCLI(demos.BoringModel, demos.BoringDataModule, run=False, args=sys.argv[1:])\n"
+        "print(type(c.trainer.strategy).__module__, type(c.trainer.strategy).__name__)\n"
+    )
+    cmd = [sys.executable, "-c", code, f"--trainer.strategy={strategy}", "--trainer.accelerator=cpu",
+           "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    copy = (
+        "adasum_lightning.lightning"
+        if package == "lightning.pytorch"
+        else "adasum_lightning.pytorch_lightning"
+    )
+    expected = (
+        "DDPAdasumStrategy" if "DDP" in strategy or strategy == "ddp_adasum" else "HorovodAdasumStrategy"
+    )
+    module = "ddp_adasum" if expected == "DDPAdasumStrategy" else "horovod"
+    assert proc.stdout.strip().splitlines()[-1] == f"{copy}.{module} {expected}"
+
+
+def test_the_mirror_is_the_same_source_with_the_package_names_renamed():
+    pytest.importorskip("lightning")
+    import adasum_lightning.lightning.horovod as mirrored
+
+    import adasum_lightning.pytorch_lightning.horovod as source
+
+    assert mirrored.__file__ == source.__file__  # tracebacks point at the real file
+    assert mirrored.HorovodStrategy is not source.HorovodStrategy
+    assert mirrored.HorovodStrategy.__mro__[2].__module__ == "lightning.pytorch.strategies.ddp"
+    assert source.HorovodStrategy.__mro__[2].__module__ == "pytorch_lightning.strategies.ddp"
+    assert mirrored.validation is source.validation  # the package-independent modules are shared
+
+
+@pytest.mark.skipif(
+    os.environ.get("ADASUM_PLAIN_INSTALL") != "1",
+    reason="runs in `make test-compat`'s environments, where `pip install .` alone installed the project",
+)
+def test_plain_install_imports_and_fits_without_the_examples_extra(tmp_path):
+    code = (
+        "import importlib.util, torch, adasum_lightning\n"
+        f"import {PACKAGE} as pl\n"
+        "print(adasum_lightning.__file__)\n"
+        "print(importlib.util.find_spec('torchvision'), importlib.util.find_spec('jsonargparse'))\n"
+        "class M(pl.LightningModule):\n"
+        "    def __init__(self):\n        super().__init__(); self.net = torch.nn.Linear(2, 1)\n"
+        "    def training_step(self, batch, i):\n        return self.net(batch[0]).pow(2).mean()\n"
+        "    def train_dataloader(self):\n"
+        "        data = torch.utils.data.TensorDataset(torch.randn(8, 2))\n"
+        "        return torch.utils.data.DataLoader(data, batch_size=4)\n"
+        "    def configure_optimizers(self):\n        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        "for name in ('ddp_adasum', 'horovod_adasum', 'horovod'):\n"
+        "    m = M(); before = m.net.weight.detach().clone()\n"
+        "    t = pl.Trainer(strategy=name, accelerator='cpu', devices=1, max_epochs=1, logger=False,\n"
+        "                   enable_checkpointing=False, enable_progress_bar=False,\n"
+        "                   enable_model_summary=False)\n"
+        "    t.fit(m)\n"
+        "    print(name, t.global_step, not torch.equal(before, m.net.weight))\n"
+    )
+    env = {k: v for k, v in mpi_env().items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "site-packages" in lines[0] and str(ROOT) not in lines[0]  # the installed copy, not the checkout
+    assert lines[1] == "None None"  # no torchvision, no jsonargparse: the examples extra is not installed
+    assert lines[2:] == ["ddp_adasum 2 True", "horovod_adasum 2 True", "horovod 2 True"]

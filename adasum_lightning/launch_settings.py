@@ -14,15 +14,16 @@ Open MPI (``horovodrun`` / ``mpirun``; strategies ``horovod_adasum`` / ``horovod
     hostB") and the lost host's ``orted`` kills its own ranks, so nothing is orphaned there.
     Two parameters suffice (``oob_tcp_keepalive_time`` 3 and ``oob_tcp_keepalive_intvl`` 1: gone after
     12.9 s = 3 + 9 default probes × 1); :data:`MPI_FAULT_SETTINGS` also sets the probes so that the bound
-    reads directly: 10 s + 4 × 5 s = 30 s of silence and a host counts as lost. Measured: gone after
-    29.5, 29.5, 30.7 s as ``horovodrun --mpi-args`` and 27.1, 29.9, 30.1 s as ``OMPI_MCA_*`` variables
-    for plain ``mpirun``, rc 205 each time. 3 s / 1 s / 3 probes ended everything in 6.1–8.4 s; 30 s was
-    chosen to ride out short network or VM stalls. Keepalive probes are answered by the peer's kernel, so
+    reads directly: at most 10 s + 4 × 5 s = 30 s (20–25 s when the channel was already idle and probing
+    at the cut, as it is during training). Measured: gone after 23.9–30.7 s as ``horovodrun --mpi-args``
+    (6 runs) and 27.1, 29.9, 30.1 s as ``OMPI_MCA_*`` variables for plain ``mpirun``, rc 205 each time.
+    3 s / 1 s / 3 probes ended everything in 6.1–8.4 s; the longer bound rides out short network or VM
+    stalls. Keepalive probes are answered by the peer's kernel, so
     a busy rank never trips them, only an unreachable host. Horovod's ``HOROVOD_STALL_*`` do not help.
 
 torch.distributed (``torchrun`` + a DDP-family strategy, e.g. Lightning's ``ddp``)
     By default nothing ended within 90 s (Gloo's default process-group timeout is 30 minutes). Three
-    settings together ended everything after 29.8, 32.3 and 34.2 s, both agents rc 1:
+    settings together ended everything after 29.8–36.4 s (5 runs), both agents rc 1:
 
     - :data:`DDP_PROCESS_GROUP_TIMEOUT` (Lightning: ``DDPStrategy(timeout=...)``) ends the ranks that wait
       for data from the lost host;
@@ -56,7 +57,7 @@ __all__ = [
     "tcp_retries2_sysctl",
 ]
 
-#: Open MPI MCA parameters (name → value) that end the whole job about 30 s after a host becomes
+#: Open MPI MCA parameters (name → value) that end the whole job at most about 30 s after a host becomes
 #: unreachable: the OOB connection to a host is probed after 10 s of silence, every 5 s, and declared dead
 #: after 4 unanswered probes (10 + 4 × 5 = 30 s). Open MPI's defaults are 300 s / 20 s / 9 (480 s).
 MPI_FAULT_SETTINGS: dict[str, str] = {

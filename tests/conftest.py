@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import twohosts
 from tests.helpers import SHARED_MNIST
 
 
@@ -26,3 +27,12 @@ def mnist_root(tmp_path_factory) -> Path | None:
         shutil.rmtree(cache, ignore_errors=True)
         return None
     return cache
+
+
+@pytest.fixture
+def two_hosts():
+    """hostA and hostB as network namespaces joined by one link (``tests/twohosts.py``); always torn
+    down. Skipped, with the reason, unless root with ``ip`` and ``unshare``."""
+    twohosts.require()
+    with twohosts.two_hosts() as hosts:
+        yield hosts

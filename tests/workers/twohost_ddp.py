@@ -1,0 +1,111 @@
+"""Worker: a tiny model under a torch.distributed strategy started by ``torchrun``; every rank saves
+what it saw to ``OUT_DIR/rank{r}.pt``.
+
+usage: python -m tests.workers.twohost_ddp OUT_DIR [--strategy NAME] [--epochs N] [--pg-timeout S]
+
+``--strategy`` is a name from Lightning's strategy registry (``ddp`` now; ``ddp_adasum`` once it exists).
+``--pg-timeout S`` builds the strategy with ``timeout=timedelta(seconds=S)`` (the process group's
+timeout: how long a collective waits for a lost peer). The Trainer gets ``accelerator="cpu",
+devices=LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE`` from torchrun's variables.
+Each rank writes its latest global step to ``OUT_DIR/step-rank{r}`` after every batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.strategies import StrategyRegistry
+
+import adasum_lightning  # noqa: F401  (registers this project's strategies)
+from tests.workers.tiny import TinyModule
+
+
+class Progress(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        path = self.out / f"step-rank{trainer.global_rank}"
+        path.with_suffix(".tmp").write_text(str(trainer.global_step))
+        os.replace(path.with_suffix(".tmp"), path)
+
+
+def build_strategy(name: str, pg_timeout: float | None):
+    if pg_timeout is None:
+        return name
+    entry = StrategyRegistry[name]
+    params = {**entry["init_params"], "timeout": datetime.timedelta(seconds=pg_timeout)}
+    return entry["strategy"](**params)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--pg-timeout", type=float, default=None)
+    args = p.parse_args()
+    out = Path(args.out)
+    torch.set_num_threads(1)
+    local_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    # One global seed (Lightning's DistributedSampler shuffles with each rank's PL_GLOBAL_SEED: per-rank
+    # seeds would give overlapping shards), but different initial weights per rank: DDP must broadcast.
+    pl.seed_everything(100)
+    torch.manual_seed(1000 + int(os.environ["RANK"]))
+    model = TinyModule(n=args.samples)
+    trainer = pl.Trainer(
+        strategy=build_strategy(args.strategy, args.pg_timeout),
+        accelerator="cpu",
+        devices=local_size,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // local_size,
+        max_epochs=args.epochs,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[Progress(out)],
+    )
+    trainer.fit(model)
+    record = {
+        "host": socket.gethostname(),
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "RANK",
+                "LOCAL_RANK",
+                "GROUP_RANK",
+                "LOCAL_WORLD_SIZE",
+                "WORLD_SIZE",
+                "MASTER_ADDR",
+                "ROLE_RANK",
+            )
+        },  # fmt: skip
+        "dist": {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()},
+        "trainer": {
+            "global_rank": trainer.global_rank,
+            "local_rank": trainer.local_rank,
+            "node_rank": trainer.node_rank,
+            "world_size": trainer.world_size,
+            "num_nodes": trainer.num_nodes,
+            "num_devices": trainer.num_devices,
+            "global_step": trainer.global_step,
+        },
+        "strategy": type(trainer.strategy).__name__,
+        "environment": type(trainer.strategy.cluster_environment).__name__,
+        "indices": model.record["indices"],
+        "start": model.record["start"],
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+    torch.save(record, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

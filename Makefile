@@ -12,18 +12,28 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-compat lint bench bench-quick clean
+.PHONY: setup demo demo-ddp test test-compat lint bench bench-quick clean
 
 setup:
 	@bash .ci/setup.sh "$(PYTHON)" "$(VENV)"
 
+# adasum-horovodrun: horovodrun plus the Open MPI settings that end a job whose host is lost, and SIGTERM
+# passed on to the ranks (adasum_lightning/horovodrun.py, adasum_lightning/launch_settings.py).
 demo: setup
 	@echo "[demo] $(NP) MPI processes, horovod_adasum, 3 epochs on MNIST from $(DATA_DIR)"
-	@set -o pipefail; $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) \
+	@set -o pipefail; $(VENV)/bin/adasum-horovodrun -np $(NP) -H localhost:$(NP) \
 	    --mpi-args="--mca mpi_yield_when_idle 1" \
 	    $(PY) examples/mnist.py fit --config examples/mnist.yaml \
 	    --data.data_dir=$(DATA_DIR) --trainer.default_root_dir=runs/demo 2>&1 | tee runs-demo.log
 	@grep -o 'val_acc=[0-9.]*' runs-demo.log | tail -n 1
+
+# The same job with ddp_adasum (Adasum on torch.distributed): a plain python command, Lightning starts the processes.
+demo-ddp: setup
+	@echo "[demo-ddp] ddp_adasum, $(NP) processes started by Lightning, 3 epochs on MNIST from $(DATA_DIR)"
+	@set -o pipefail; $(PY) examples/mnist.py fit --config examples/mnist.yaml --trainer.strategy=ddp_adasum \
+	    --trainer.devices=$(NP) --data.data_dir=$(DATA_DIR) --trainer.default_root_dir=runs/demo-ddp 2>&1 \
+	    | tee runs-demo-ddp.log
+	@grep -o 'val_acc=[0-9.]*' runs-demo-ddp.log | tail -n 1
 
 test: setup
 	@$(PY) -m pytest -ra
@@ -51,4 +61,4 @@ bench-quick: setup
 	    echo "[bench-quick] took $$(( ($$(date +%s) - start) / 60 )) min; report: benchmarks/results/quick/report.md"
 
 clean:
-	rm -rf runs runs-demo.log .pytest_cache
+	rm -rf runs runs-demo.log runs-demo-ddp.log .pytest_cache

@@ -72,12 +72,15 @@ def _signal_targets(child: int) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``horovodrun`` with ``argv`` and forward termination signals to the job; returns its exit status
     (128 + N when it died of signal N)."""
-    from adasum_lightning.launch_settings import mpi_environment
+    from adasum_lightning.launch_settings import mpi_env
 
     args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
-    for name, value in mpi_environment().items():
-        env.setdefault(name, value)
+    added = {name: value for name, value in mpi_env().items() if name not in env}
+    env.update(added)
+    if added:
+        settings = " ".join(f"{name.removeprefix('OMPI_MCA_')}={value}" for name, value in added.items())
+        print(f"[adasum-horovodrun] Open MPI settings: {settings}", file=sys.stderr, flush=True)
     child = subprocess.Popen([find_horovodrun(), *args], env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:

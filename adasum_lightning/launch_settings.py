@@ -64,6 +64,10 @@ MPI_FAULT_SETTINGS: dict[str, str] = {
     "oob_tcp_keepalive_time": "10",
     "oob_tcp_keepalive_intvl": "5",
     "oob_tcp_keepalive_probes": "4",
+    # When mpirun stops the ranks (SIGTERM to mpirun, a preemption, a failed rank): SIGCONT, then SIGTERM
+    # after this many seconds, then SIGKILL after as many again (Open MPI's default, 1 s, leaves Lightning
+    # 1 s to finish the step and write an OnExceptionCheckpoint).
+    "odls_base_sigkill_timeout": "5",
 }
 
 

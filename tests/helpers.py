@@ -33,8 +33,16 @@ def horovodrun_cmd(np: int, *, gloo: bool = False) -> list[str]:
     return cmd
 
 
+#: torch.distributed's rendezvous variables. Lightning writes MASTER_ADDR/MASTER_PORT into the environment of
+#: the process that fits (the tests' own in-process fits too); a job started with them would meet at that
+#: old port, possibly another job's.
+TORCH_DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
 def mpi_env() -> dict[str, str]:
-    env = dict(os.environ)
+    """The environment for a job started by the tests: this one, without torch.distributed's rendezvous
+    variables, with Open MPI allowed to run as root, one thread per process and the checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCH_DISTRIBUTED_VARIABLES}
     env.update(
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -119,8 +127,13 @@ def run_lightning(
 ) -> subprocess.CompletedProcess:
     """Run a worker with ``--devices np`` as a plain process: Lightning starts the other processes."""
     cmd = [sys.executable, "-m", f"tests.workers.{worker}", *args, "--devices", str(np)]
-    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "HOROVOD_"))}
-    return _run(cmd, env, timeout, check)
+    return _run(cmd, plain_env(), timeout, check)
+
+
+def plain_env() -> dict[str, str]:
+    """:func:`mpi_env` without any launcher's rank variables: a plain ``python`` start."""
+    launchers = ("OMPI_COMM_WORLD", "PMI_", "HOROVOD_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC")
+    return {k: v for k, v in mpi_env().items() if not k.startswith(launchers)}
 
 
 def run_torchrun(

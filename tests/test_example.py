@@ -11,7 +11,7 @@ import pytest
 from torchvision import datasets  # noqa: E402
 
 from examples.mnist import MNISTDataModule  # noqa: E402
-from tests.helpers import ROOT, run_horovod
+from tests.helpers import ROOT, plain_env, run_horovod
 
 FILES = [name for name, _ in datasets.MNIST.resources]
 
@@ -65,20 +65,25 @@ def test_missing_data_without_network_says_where_to_put_the_files(tmp_path, monk
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_two_processes_reach_95_percent_in_three_epochs(mnist_root, tmp_path):
+@pytest.mark.parametrize("strategy", ["horovod_adasum", "ddp_adasum"])
+def test_two_processes_reach_95_percent_in_three_epochs(strategy, mnist_root, tmp_path):
     if mnist_root is None:
         pytest.skip("MNIST is absent and could not be downloaded")
-    proc = run_horovod(
-        2,
-        ROOT / "examples" / "mnist.py",
+    args = [
         "fit",
         "--config",
         str(ROOT / "examples" / "mnist.yaml"),
+        f"--trainer.strategy={strategy}",
         f"--data.data_dir={mnist_root}",
         f"--trainer.default_root_dir={tmp_path}",
         "--trainer.enable_progress_bar=false",
-        timeout=600,
-    )
+    ]
+    if strategy == "ddp_adasum":  # a plain python command: Lightning starts the second process
+        cmd = [sys.executable, str(ROOT / "examples" / "mnist.py"), *args, "--trainer.devices=2"]
+        proc = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    else:
+        proc = run_horovod(2, ROOT / "examples" / "mnist.py", *args, timeout=600)
     found = re.findall(r"val_acc=([0-9.]+)", proc.stdout)
     assert len(found) == 1, proc.stdout[-2000:]  # printed once, by rank 0
     assert float(found[0]) >= 0.95

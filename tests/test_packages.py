@@ -11,11 +11,14 @@ import sys
 import pytest
 
 from adasum_lightning import _namespaces
-from tests.helpers import ROOT, assert_ranks_identical, load_ranks, mpi_env, run_horovod
+from tests.helpers import ROOT, assert_ranks_identical, load_ranks, mpi_env, plain_env, run_horovod
 from tests.workers.lightning import PACKAGE
 
 PACKAGES = ["pytorch_lightning", "lightning.pytorch"]
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
+needs_jsonargparse = pytest.mark.skipif(
+    importlib.util.find_spec("jsonargparse") is None, reason="LightningCLI needs jsonargparse"
+)
 needs_lightning = pytest.mark.skipif(
     not HAS_LIGHTNING, reason="the unified `lightning` package is not installed"
 )
@@ -25,12 +28,17 @@ def _package_param(package: str):
     return pytest.param(package, marks=needs_lightning) if package == "lightning.pytorch" else package
 
 
-def check_fit(ranks: list[dict], package: str, strategy_class: str, np: int = 2) -> None:
-    copy = (
+def copy_for(package: str) -> str:
+    """This project's copy of the strategies for a Lightning package."""
+    return (
         "adasum_lightning.lightning"
         if package == "lightning.pytorch"
         else "adasum_lightning.pytorch_lightning"
     )
+
+
+def check_fit(ranks: list[dict], package: str, strategy_class: str, np: int = 2) -> None:
+    copy = copy_for(package)
     for res in ranks:
         assert res["world_size"] == np and res["global_step"] == 2 * 32 // 4 // np
         assert res["strategy_class"].startswith(copy) and res["strategy_class"].endswith(strategy_class)
@@ -58,7 +66,7 @@ def test_horovod_strategies_with_each_package(package, by, strategy, cls, tmp_pa
 def test_ddp_adasum_with_each_package_launched_by_lightning(package, by, tmp_path):
     cmd = [sys.executable, "-m", "tests.workers.packages", str(tmp_path), "--package", package,
            "--strategy", "ddp_adasum", "--by", by, "--devices", "2"]  # fmt: skip
-    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     check_fit(load_ranks(tmp_path, 2), package, "DDPAdasumStrategy")
 
@@ -111,11 +119,7 @@ def test_each_registry_holds_the_three_names_with_its_own_classes(package):
     )
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    copy = (
-        "adasum_lightning.lightning"
-        if package == "lightning.pytorch"
-        else "adasum_lightning.pytorch_lightning"
-    )
+    copy = copy_for(package)
     assert proc.stdout.splitlines() == [
         f"horovod_adasum {copy}.horovod HorovodAdasumStrategy True",
         f"horovod {copy}.horovod HorovodStrategy True",
@@ -127,29 +131,36 @@ def test_each_registry_holds_the_three_names_with_its_own_classes(package):
     importlib.util.find_spec("jsonargparse") is None, reason="LightningCLI needs jsonargparse"
 )
 @pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
-@pytest.mark.parametrize("strategy", ["ddp_adasum", "horovod_adasum", "adasum_lightning.DDPAdasumStrategy"])
-def test_lightning_cli_of_each_package_finds_the_strategies(package, strategy, tmp_path):
+@pytest.mark.parametrize(
+    ("strategy_args", "expected"),
+    [
+        (["--trainer.strategy=ddp_adasum"], "ddp_adasum DDPAdasumStrategy 0:30:00"),
+        (["--trainer.strategy=horovod_adasum"], "horovod HorovodAdasumStrategy 0:30:00"),
+        (  # the class-path form, with an init argument
+            [
+                "--trainer.strategy.class_path=adasum_lightning.DDPAdasumStrategy",
+                "--trainer.strategy.init_args.timeout=0:00:45",
+            ],
+            "ddp_adasum DDPAdasumStrategy 0:00:45",
+        ),
+    ],
+    ids=["ddp_adasum", "horovod_adasum", "class_path"],
+)
+def test_lightning_cli_of_each_package_finds_the_strategies(package, strategy_args, expected, tmp_path):
     code = (
         "import importlib, sys\nimport adasum_lightning\n"
         f"cli = importlib.import_module({package!r} + '.cli')\n"
         f"demos = importlib.import_module({package!r} + '.demos.boring_classes')\n"
-        "c = cli.LightningCLI(demos.BoringModel, demos.BoringDataModule, run=False, args=sys.argv[1:])\n"
-        "print(type(c.trainer.strategy).__module__, type(c.trainer.strategy).__name__)\n"
+        "s = cli.LightningCLI(demos.BoringModel, demos.BoringDataModule, run=False).trainer.strategy\n"
+        "print(type(s).__module__.rsplit('.', 1)[0], type(s).__module__.rsplit('.', 1)[1], type(s).__name__,"
+        " s._timeout)\n"
     )
-    cmd = [sys.executable, "-c", code, f"--trainer.strategy={strategy}", "--trainer.accelerator=cpu",
-           "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    cmd = [sys.executable, "-c", code, *strategy_args, "--trainer.accelerator=cpu", "--trainer.logger=false",
+           f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    copy = (
-        "adasum_lightning.lightning"
-        if package == "lightning.pytorch"
-        else "adasum_lightning.pytorch_lightning"
-    )
-    expected = (
-        "DDPAdasumStrategy" if "DDP" in strategy or strategy == "ddp_adasum" else "HorovodAdasumStrategy"
-    )
-    module = "ddp_adasum" if expected == "DDPAdasumStrategy" else "horovod"
-    assert proc.stdout.strip().splitlines()[-1] == f"{copy}.{module} {expected}"
+    copy = copy_for(package)
+    assert proc.stdout.strip().splitlines()[-1] == f"{copy} {expected}"
 
 
 def test_the_mirror_is_the_same_source_with_the_package_names_renamed():

@@ -171,14 +171,12 @@ def test_mpi_settings_as_environment_reach_every_rank_and_daemon(uneven):
                 assert f"-mca {name} {value}" in res["parent"], (name, res["parent"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HorovodEnvironment.node_rank() returns hvd.cross_rank(), the node index only when every host "
-    "runs the same number of ranks; with hostA:1,hostB:3 ranks 2 and 3 report node 0",
-)
 def test_uneven_placement_node_rank(uneven):
+    # The node rank is the host's index among the job's hosts (Horovod's cross rank is not, here: ranks 2
+    # and 3 have cross rank 0), and num_nodes counts the hosts.
     _, ranks = uneven
     assert [res["trainer"]["node_rank"] for res in ranks] == [0, 1, 1, 1]
+    assert [res["trainer"]["num_nodes"] for res in ranks] == [2, 2, 2, 2]
 
 
 def test_lost_host_ends_a_horovod_job(two_hosts, tmp_path, mnist_root):

@@ -208,8 +208,9 @@ class HorovodStrategy(UnwrappedDDPStrategy):
         environment = self.cluster_environment
         assert isinstance(environment, HorovodEnvironment)
         environment.set_main_address_and_port(address, port)
-        hosts = hvd.allgather_object(socket.gethostname(), name="adasum_lightning.hosts")
-        environment.set_node_rank(list(dict.fromkeys(hosts)).index(hosts[hvd.rank()]))
+        hosts = list(dict.fromkeys(hvd.allgather_object(socket.gethostname(), name="adasum_lightning.hosts")))
+        environment.set_node_rank(hosts.index(socket.gethostname()))
+        self.num_nodes = len(hosts)
 
     @override
     def configure_ddp(self) -> None:

@@ -53,6 +53,8 @@ def test_build_context_builds_horovod_with_nccl_after_torch(staged):
     reqs = (ctx / "requirements.txt").read_text().split()
     assert "azureml-mlflow" in reqs and any(r.startswith("pytorch-lightning") for r in reqs)
     assert not any(r.startswith(("torch", "horovod")) and not r.startswith("torchmetrics") for r in reqs)
+    # the example's LightningCLI needs jsonargparse (the `examples` extra), without an extra marker
+    assert any(r.startswith("jsonargparse[signatures]") for r in reqs) and not any(";" in r for r in reqs)
 
 
 def test_image_pins_match_make_setup():

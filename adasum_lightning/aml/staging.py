@@ -28,6 +28,8 @@ TORCHVISION_VERSION = "0.29.1"
 CUDA_CC_LIST = "75,80,86,89,90"
 #: Extra packages of the job image besides the project's own requirements.
 IMAGE_EXTRA_REQUIREMENTS = ("azureml-mlflow",)
+#: The project's extras the training script needs (``examples``: torchvision, jsonargparse for LightningCLI).
+IMAGE_EXTRAS = ("examples",)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = PACKAGE_DIR.parent
@@ -50,16 +52,20 @@ class StagedJob:
 
 
 def image_requirements() -> list[str]:
-    """The project's install requirements minus torch/torchvision (installed first, pinned) and extras,
-    plus :data:`IMAGE_EXTRA_REQUIREMENTS`, as requirement strings."""
+    """The project's install requirements and those of :data:`IMAGE_EXTRAS` (markers dropped), minus
+    torch/torchvision (installed first, pinned), plus :data:`IMAGE_EXTRA_REQUIREMENTS`, as requirement
+    strings."""
     reqs = []
     for line in importlib.metadata.requires("adasum-lightning") or []:
         req = Requirement(line)
         if req.marker is not None and "extra" in str(req.marker):
-            continue
+            if not any(req.marker.evaluate({"extra": extra}) for extra in IMAGE_EXTRAS):
+                continue
+            req.marker = None  # other markers stay: pip evaluates them in the image
         if req.name.lower() in ("torch", "torchvision"):
             continue
-        reqs.append(str(req))
+        if str(req) not in reqs:
+            reqs.append(str(req))
     return reqs + list(IMAGE_EXTRA_REQUIREMENTS)
 
 

@@ -42,7 +42,7 @@ def test_local_2_trains_a_few_batches_with_2_processes(mnist_root, tmp_path, cap
     out = capfd.readouterr()
     text = out.out + out.err
     assert rc == 0, text[-4000:]
-    assert "HorovodAdasumStrategy: world size 2, Adasum reduction" in text
+    assert "HorovodAdasumStrategy: world size 2, Horovod Adasum reduction" in text
     assert "--trainer.strategy=horovod_adasum" in text  # the job's command was run
     assert "val_acc=" in text
     version = tmp_path / "outputs" / "lightning_logs" / "version_0"

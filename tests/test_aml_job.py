@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from adasum_lightning import launch_settings
 from adasum_lightning.aml import cli
 from adasum_lightning.aml.job import (
     DEFAULT_TRAINING_ARGS,
@@ -45,6 +46,7 @@ def test_defaults_keep_the_seed_topology_on_a_current_vm_size():
         "OMP_NUM_THREADS": "1",
         "NCCL_DEBUG": "WARN",
         "PYTHONUNBUFFERED": "1",
+        **launch_settings.mpi_env(),  # Open MPI's fault settings, for Azure ML's mpirun
     }
     cmd = job.training_command()
     assert cmd[:3] == ["python", "mnist.py", "fit"]
@@ -120,8 +122,12 @@ def test_extra_environment_variables_merge_over_the_defaults():
         "OMP_NUM_THREADS": "1",
         "NCCL_DEBUG": "INFO",
         "PYTHONUNBUFFERED": "1",
+        **launch_settings.mpi_env(),
         "HOROVOD_LOG_LEVEL": "debug",
     }
+    # a fault setting can be overridden like any other variable
+    name = next(iter(launch_settings.mpi_env()))
+    assert AmlJob(environment_variables={name: "60"}).environment_variables[name] == "60"
 
 
 # -- the workspace config file ------------------------------------------------------------------------

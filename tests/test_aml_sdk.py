@@ -10,6 +10,7 @@ from unittest.mock import create_autospec
 import pytest
 import yaml
 
+from adasum_lightning import launch_settings
 from adasum_lightning.aml import cli, sdk_v1, sdk_v2
 from adasum_lightning.aml.job import AmlJob, AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.staging import TORCH_VERSION, TORCHVISION_VERSION, stage_job
@@ -23,7 +24,8 @@ azure_ai_ml = pytest.importorskip("azure.ai.ml", reason="pip install -e '.[aml-v
 
 SUB = "0a1b2c3d-4e5f-6789-abcd-ef0123456789"
 CONFIG = WorkspaceConfig(SUB, "rg-adasum", "ws-adasum", "config_aml.json")
-ENV = {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "PYTHONUNBUFFERED": "1"}
+#: MPI jobs carry Open MPI's fault settings (OMPI_MCA_*), read by Azure ML's mpirun.
+ENV = {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "PYTHONUNBUFFERED": "1", **launch_settings.mpi_env()}
 
 
 @pytest.fixture
@@ -268,6 +270,19 @@ def test_dry_run_v2_prints_the_job_yaml_with_pass_through_args(capsys, tmp_path)
         data["resources"]["instance_count"] == 4 and data["distribution"]["process_count_per_instance"] == 4
     )
     assert data["command"].endswith("--trainer.default_root_dir=outputs --trainer.max_epochs=2")
+
+
+@pytest.mark.parametrize("sdk", ["v1", "v2"])
+def test_dry_run_of_mpi_jobs_shows_the_open_mpi_fault_settings(sdk, capsys, tmp_path):
+    assert cli.main(["submit", "--sdk", sdk, "--dry-run", "--staging-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    env = (
+        json.loads(out)["environmentVariables"]
+        if sdk == "v1"
+        else yaml.safe_load(out)["environment_variables"]
+    )
+    assert launch_settings.mpi_env().items() <= env.items()
+    assert all(name.startswith("OMPI_MCA_") for name in launch_settings.mpi_env())
 
 
 @pytest.mark.parametrize("sdk", ["v1", "v2"])

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from adasum_lightning import launch_settings
+
 
 class AmlUsageError(ValueError):
     """Bad input (arguments, config file, topology, VM size): the message names the fix. CLI exit code 2."""
@@ -186,8 +188,9 @@ class AmlJob:
         training_args: extra arguments appended to the example's command line (LightningCLI: the last
             value of an option wins), e.g. ``("--trainer.max_epochs=2",)``.
         environment_variables: extra environment variables of the job (merged over
-            :data:`DEFAULT_ENVIRONMENT_VARIABLES`). Names that look like secrets are refused: job
-            variables are visible in the run's details.
+            :data:`DEFAULT_ENVIRONMENT_VARIABLES` and Open MPI's fault settings
+            :func:`adasum_lightning.launch_settings.mpi_env`, which Azure ML's ``mpirun`` reads). Names that
+            look like secrets are refused: job variables are visible in the run's details.
         base_image: base image of the job environment's Dockerfile (needs nvcc and NCCL headers).
 
     Raises:
@@ -253,6 +256,7 @@ class AmlJob:
             raise AmlUsageError(f"training arguments must be strings, got {args!r}")
         object.__setattr__(self, "training_args", args)
         env = dict(DEFAULT_ENVIRONMENT_VARIABLES)
+        env.update(launch_settings.mpi_env())
         for key, value in dict(self.environment_variables).items():
             if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
                 raise AmlUsageError(f"environment variable name {key!r} is invalid: fix --env NAME=VALUE")

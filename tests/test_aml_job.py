@@ -22,6 +22,7 @@ from adasum_lightning.aml.job import (
     lookup_vm_size,
     timedelta_arg,
 )
+from adasum_lightning.aml.local import check_local_count
 from adasum_lightning.aml.workspace import check_network, find_config_file, load_workspace_config, redact
 from tests.aml_support import no_network  # noqa: F401  (fixture)
 from tests.helpers import ROOT
@@ -177,6 +178,9 @@ def test_horovod_job_averages_with_one_gpu_per_mpi_process():
 def test_only_horovod_adasum_needs_powers_of_two(strategy):
     job = AmlJob(strategy=strategy, node_count=6, process_count_per_node=3)
     assert job.world_size == 18
+    check_local_count(job, 3)  # --local 3 too
+    with pytest.raises(AmlUsageError, match=r"--local 3: the process count must be a power of 2"):
+        check_local_count(AmlJob(), 3)
 
 
 def test_training_args_may_repeat_the_topology_and_change_the_ddp_timeout():
@@ -420,6 +424,10 @@ def no_sdk_calls(monkeypatch):
         (
             ["--base-image", "nvidia/cuda:13.0.0-runtime-ubuntu22.04", "--dry-run"],
             "has no nvcc, which the job image's Horovod build needs",
+        ),
+        (
+            ["--strategy", "ddp_adasum", "--local", "0"],
+            "--local 0: the process count must be a positive integer",
         ),
         (
             ["--nodes", "6", "--strategy", "horovod_adasum", "--dry-run"],

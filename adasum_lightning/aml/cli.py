@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--local",
         type=int,
         metavar="N",
-        help="run the job's command here under horovodrun with N CPU processes (power of 2)",
+        help="run the job's command here with N CPU processes: under horovodrun for the Horovod strategies "
+        "(a power of 2 for horovod_adasum), started as an Azure ML PyTorch job starts them for ddp_adasum",
     )
     p.add_argument("--local-batches", type=int, default=4, help="batches per process for --local (default 4)")
     p.add_argument(
@@ -235,13 +236,9 @@ def submit_command(args: argparse.Namespace) -> int:
     """``adasum-aml submit``: validate everything offline, then dry-run, run locally or submit."""
     job = job_from_args(args)
     if args.local is not None:
-        from adasum_lightning.aml.job import is_power_of_two
-        from adasum_lightning.aml.local import run_local
+        from adasum_lightning.aml.local import check_local_count, run_local
 
-        if not is_power_of_two(args.local):
-            raise AmlUsageError(
-                f"--local {args.local}: the process count must be a power of 2 (1, 2, 4, …) for Adasum"
-            )
+        check_local_count(job, args.local)
         work = (
             Path(args.staging_dir) if args.staging_dir else Path(tempfile.mkdtemp(prefix="adasum-aml-local-"))
         )

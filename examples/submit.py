@@ -4,10 +4,12 @@
 
     python examples/submit.py                    # reads ./config_aml.json (or examples/config_aml.json)
     python examples/submit.py --dry-run --sdk v1 # any `adasum-aml submit` option works, see --help
+    python examples/submit.py --strategy ddp_adasum   # a PyTorch job: Adasum on torch.distributed, no Horovod
 
 ``config_aml.json`` holds ``{"subscription_id": ..., "resource_group": ..., "workspace_name": ...}``
 (Azure ML's ``config.json`` works too). The job: 8 nodes × 4 GPUs (Standard_NC64as_T4_v3), one MPI process
-per GPU, ``examples/mnist.py`` with ``--trainer.strategy=horovod_adasum``. Same as ``adasum-aml submit``.
+per GPU, ``examples/mnist.py`` with ``--trainer.strategy=horovod_adasum`` (``--strategy ddp_adasum``: one
+process per GPU started by Azure ML, no MPI). Same as ``adasum-aml submit``.
 """
 
 import sys

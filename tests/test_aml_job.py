@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from adasum_lightning import launch_settings
 from adasum_lightning.aml import cli
 from adasum_lightning.aml.job import (
     DEFAULT_TRAINING_ARGS,
@@ -18,7 +20,9 @@ from adasum_lightning.aml.job import (
     AmlSubmitError,
     AmlUsageError,
     lookup_vm_size,
+    timedelta_arg,
 )
+from adasum_lightning.aml.local import check_local_count
 from adasum_lightning.aml.workspace import check_network, find_config_file, load_workspace_config, redact
 from tests.aml_support import no_network  # noqa: F401  (fixture)
 from tests.helpers import ROOT
@@ -41,10 +45,12 @@ def test_defaults_keep_the_seed_topology_on_a_current_vm_size():
     assert (job.min_nodes, job.max_nodes) == (0, 8)
     assert job.vm_size == "Standard_NC64as_T4_v3" and lookup_vm_size(job.vm_size).gpus == 4
     assert job.base_image == "nvidia/cuda:13.0.0-devel-ubuntu22.04"
+    assert job.strategy == "horovod_adasum" and job.is_mpi
     assert dict(job.environment_variables) == {
         "OMP_NUM_THREADS": "1",
         "NCCL_DEBUG": "WARN",
         "PYTHONUNBUFFERED": "1",
+        **launch_settings.mpi_env(),  # Open MPI's fault settings, for Azure ML's mpirun
     }
     cmd = job.training_command()
     assert cmd[:3] == ["python", "mnist.py", "fit"]
@@ -120,8 +126,181 @@ def test_extra_environment_variables_merge_over_the_defaults():
         "OMP_NUM_THREADS": "1",
         "NCCL_DEBUG": "INFO",
         "PYTHONUNBUFFERED": "1",
+        **launch_settings.mpi_env(),
         "HOROVOD_LOG_LEVEL": "debug",
     }
+    # a fault setting can be overridden like any other variable
+    name = next(iter(launch_settings.mpi_env()))
+    assert AmlJob(environment_variables={name: "60"}).environment_variables[name] == "60"
+
+
+# -- the strategies: MPI jobs (Horovod) and PyTorch jobs (ddp_adasum) ---------------------------------------
+def test_ddp_adasum_job_runs_lightning_ddp_on_the_topology():
+    job = AmlJob(strategy="ddp_adasum", node_count=3, process_count_per_node=4)
+    assert not job.is_mpi and job.world_size == 12 and job.devices == 4
+    assert job.base_image == "nvidia/cuda:13.0.0-runtime-ubuntu22.04"  # nothing is compiled in its image
+    assert job.environment_name == "adasum-lightning-ddp"
+    timeout = timedelta_arg(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)
+    assert (
+        job.training_command()
+        == [
+            "python",
+            "mnist.py",
+            "fit",
+            "--trainer.strategy=adasum_lightning.DDPAdasumStrategy",
+            f"--trainer.strategy.timeout={timeout}",
+            "--trainer.accelerator=gpu",
+            "--trainer.devices=4",  # Lightning's ranks: NODE_RANK × devices + LOCAL_RANK
+            "--trainer.num_nodes=3",  # world size: num_nodes × devices
+            *DEFAULT_TRAINING_ARGS[4:],
+        ]
+    )
+    # no Open MPI settings in a job without MPI
+    assert dict(job.environment_variables) == {
+        "OMP_NUM_THREADS": "1",
+        "NCCL_DEBUG": "WARN",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def test_horovod_job_averages_with_one_gpu_per_mpi_process():
+    job = AmlJob(strategy="horovod", node_count=3)  # any node count: no Adasum pairing
+    assert job.is_mpi and job.environment_name == "adasum-lightning-horovod-nccl"
+    assert job.training_command()[3:6] == [
+        "--trainer.strategy=horovod",
+        "--trainer.accelerator=gpu",
+        "--trainer.devices=1",
+    ]
+    assert launch_settings.mpi_env().items() <= dict(job.environment_variables).items()
+
+
+@pytest.mark.parametrize("strategy", ["ddp_adasum", "horovod"])
+def test_only_horovod_adasum_needs_powers_of_two(strategy):
+    job = AmlJob(strategy=strategy, node_count=6, process_count_per_node=3)
+    assert job.world_size == 18
+    check_local_count(job, 3)  # --local 3 too
+    with pytest.raises(AmlUsageError, match=r"--local 3: the process count must be a power of 2"):
+        check_local_count(AmlJob(), 3)
+
+
+def test_training_args_may_repeat_the_topology_and_change_the_ddp_timeout():
+    args = ["--trainer.devices=4", "--trainer.num_nodes", "8", "--trainer.strategy.timeout=0:05:00"]
+    job = AmlJob(strategy="ddp_adasum", training_args=args)
+    assert job.training_command()[-4:] == args  # last value wins in LightningCLI: the timeout is 5 min
+    AmlJob(training_args=["--trainer.devices=1"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"strategy": "ddp"},
+            r"unknown strategy 'ddp': use --strategy horovod_adasum .* --strategy ddp_adasum",
+        ),
+        (
+            {"strategy": "ddp_adasum", "training_args": ["--trainer.devices=2"]},
+            r"--trainer.devices=2 contradicts the job's topology \(--trainer.devices=4\).*--gpus-per-node 2",
+        ),
+        (
+            {"strategy": "ddp_adasum", "training_args": ["--trainer.num_nodes", "2"]},
+            r"--trainer.num_nodes=2 contradicts .*hangs or duplicates ranks.*--nodes 2",
+        ),
+        (
+            {"strategy": "ddp_adasum", "training_args": ["--trainer.devices=auto"]},
+            r"--trainer.devices=auto contradicts .*--gpus-per-node N",
+        ),
+        (
+            {"training_args": ["--trainer.strategy=ddp_adasum"]},
+            r"chosen with --strategy .*remove --trainer.strategy and pass --strategy horovod_adasum or",
+        ),
+        (
+            {"strategy": "ddp_adasum", "training_args": ["--trainer.strategy", "ddp"]},
+            r"not with --trainer.strategy",
+        ),
+        (
+            {"training_args": ["--trainer.devices=4"]},
+            r"each MPI process of a --strategy horovod_adasum job drives one GPU.*--gpus-per-node N",
+        ),
+        (
+            {"strategy": "ddp_adasum", "environment_variables": {"MASTER_PORT": "29500"}},
+            r"MASTER_PORT is set by Azure ML in every process of a PyTorch job.*remove --env MASTER_PORT",
+        ),
+        (
+            {"strategy": "ddp_adasum", "environment_variables": {"OMPI_MCA_btl": "tcp"}},
+            r"OMPI_MCA_btl has no effect in a --strategy ddp_adasum job \(no MPI, no Horovod\)",
+        ),
+        (
+            {"strategy": "ddp_adasum", "environment_variables": {"HOROVOD_FUSION_THRESHOLD": "0"}},
+            r"HOROVOD_FUSION_THRESHOLD has no effect.*--strategy horovod_adasum",
+        ),
+        (
+            {"base_image": "nvidia/cuda:13.0.0-runtime-ubuntu22.04"},
+            r"has no nvcc, which the job image's Horovod build needs.*--base-image nvidia/cuda:13.0.0-devel",
+        ),
+        (
+            {"strategy": "horovod", "base_image": "nvidia/cuda:12.8.0-cudnn-runtime-ubuntu22.04"},
+            r"has no nvcc.*--strategy horovod\)",
+        ),
+        (
+            {"strategy": "ddp_adasum", "process_count_per_node": 8},
+            r"has 4 GPU\(s\).*--gpus-per-node 4",
+        ),
+    ],
+)
+def test_bad_strategy_combinations_are_refused_with_the_fix(kwargs, message):
+    with pytest.raises(AmlUsageError, match=message):
+        AmlJob(**kwargs)
+
+
+def test_ddp_adasum_takes_any_base_image():
+    job = AmlJob(strategy="ddp_adasum", base_image="nvidia/cuda:13.0.0-devel-ubuntu24.04")
+    assert job.base_image == "nvidia/cuda:13.0.0-devel-ubuntu24.04"
+
+
+@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
+def test_lightning_cli_parses_the_ddp_adasum_strategy_with_its_timeout(package, tmp_path):
+    """The job's strategy arguments, parsed by the package's LightningCLI as the job's script would (a
+    subprocess: one Lightning package per process), give DDPAdasumStrategy with the launch settings' timeout;
+    the strategy *name* takes no --trainer.strategy.timeout."""
+    job = AmlJob(strategy="ddp_adasum")
+    script = tmp_path / "parse.py"
+    script.write_text(
+        f"import sys\nfrom {package}.cli import LightningCLI\n"
+        f"from {package}.demos.boring_classes import BoringDataModule, BoringModel\n"
+        "import adasum_lightning\n"
+        "cli = LightningCLI(BoringModel, BoringDataModule, run=False, args=sys.argv[1:], "
+        "save_config_callback=None)\n"
+        "s = cli.trainer.strategy\n"
+        "print('PARSED', type(s).__module__, type(s).__name__, s.strategy_name, repr(s._timeout))\n"
+    )
+    local = [
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.num_nodes=1",
+        "--trainer.logger=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), *job.strategy_args(), *local],
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    namespace = "pytorch_lightning" if package == "pytorch_lightning" else "lightning"
+    expected = repr(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)
+    assert (
+        f"PARSED adasum_lightning.{namespace}.ddp_adasum DDPAdasumStrategy ddp_adasum {expected}"
+        in proc.stdout
+    )
+    by_name = ["--trainer.strategy=ddp_adasum", "--trainer.strategy.timeout=0:00:30", *local]
+    proc = subprocess.run(
+        [sys.executable, str(script), *by_name],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode != 0 and "Expected a dot import path string: ddp_adasum" in proc.stderr
 
 
 # -- the workspace config file ------------------------------------------------------------------------
@@ -234,6 +413,25 @@ def no_sdk_calls(monkeypatch):
         (
             ["--gpus-per-node", "8", "--dry-run"],
             "a VM size with 8 GPUs or more (--vm-size Standard_ND96asr_v4)",
+        ),
+        (["--strategy", "bogus", "--dry-run"], "unknown strategy 'bogus': use --strategy horovod_adasum"),
+        (
+            ["--strategy", "ddp_adasum", "--dry-run", "--", "--trainer.num_nodes=2"],
+            "--trainer.num_nodes=2 contradicts the job's topology (--trainer.num_nodes=8)",
+        ),
+        (["--strategy", "ddp_adasum", "--env", "RANK=0", "--dry-run"], "RANK is set by Azure ML"),
+        (["--dry-run", "--trainer.strategy=ddp_adasum"], "not with --trainer.strategy"),
+        (
+            ["--base-image", "nvidia/cuda:13.0.0-runtime-ubuntu22.04", "--dry-run"],
+            "has no nvcc, which the job image's Horovod build needs",
+        ),
+        (
+            ["--strategy", "ddp_adasum", "--local", "0"],
+            "--local 0: the process count must be a positive integer",
+        ),
+        (
+            ["--nodes", "6", "--strategy", "horovod_adasum", "--dry-run"],
+            "or --strategy ddp_adasum (any count)",
         ),
     ],
 )

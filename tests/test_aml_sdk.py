@@ -10,8 +10,9 @@ from unittest.mock import create_autospec
 import pytest
 import yaml
 
+from adasum_lightning import launch_settings
 from adasum_lightning.aml import cli, sdk_v1, sdk_v2
-from adasum_lightning.aml.job import AmlJob, AmlSubmitError, AmlUsageError
+from adasum_lightning.aml.job import AmlJob, AmlSubmitError, AmlUsageError, timedelta_arg
 from adasum_lightning.aml.staging import TORCH_VERSION, TORCHVISION_VERSION, stage_job
 from adasum_lightning.aml.workspace import WorkspaceConfig
 from tests.aml_support import no_network  # noqa: F401  (fixture)
@@ -23,7 +24,10 @@ azure_ai_ml = pytest.importorskip("azure.ai.ml", reason="pip install -e '.[aml-v
 
 SUB = "0a1b2c3d-4e5f-6789-abcd-ef0123456789"
 CONFIG = WorkspaceConfig(SUB, "rg-adasum", "ws-adasum", "config_aml.json")
-ENV = {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "PYTHONUNBUFFERED": "1"}
+DDP_ENV = {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "PYTHONUNBUFFERED": "1"}
+#: MPI jobs also carry Open MPI's fault settings (OMPI_MCA_*), read by Azure ML's mpirun.
+ENV = {**DDP_ENV, **launch_settings.mpi_env()}
+DDP_JOB = {"strategy": "ddp_adasum", "node_count": 3, "process_count_per_node": 4}
 
 
 @pytest.fixture
@@ -53,6 +57,42 @@ def test_build_context_builds_horovod_with_nccl_after_torch(staged):
     reqs = (ctx / "requirements.txt").read_text().split()
     assert "azureml-mlflow" in reqs and any(r.startswith("pytorch-lightning") for r in reqs)
     assert not any(r.startswith(("torch", "horovod")) and not r.startswith("torchmetrics") for r in reqs)
+    # the example's LightningCLI needs jsonargparse (the `examples` extra), without an extra marker
+    assert any(r.startswith("jsonargparse[signatures]") for r in reqs) and not any(";" in r for r in reqs)
+
+
+@pytest.fixture
+def staged_ddp(tmp_path):
+    return stage_job(AmlJob(**DDP_JOB), tmp_path / "stage-ddp")
+
+
+def _instructions(dockerfile: str) -> str:
+    return "\n".join(line for line in dockerfile.splitlines() if not line.lstrip().startswith("#"))
+
+
+def test_ddp_adasum_build_context_has_no_mpi_and_no_horovod(staged_ddp):
+    ctx = staged_ddp.context_dir
+    assert sorted(p.name for p in ctx.iterdir()) == ["Dockerfile", "requirements.txt"]  # no patches/
+    dockerfile = (ctx / "Dockerfile").read_text()
+    steps = _instructions(dockerfile)
+    assert "@" not in steps  # every placeholder filled
+    assert steps.splitlines()[0] == "FROM nvidia/cuda:13.0.0-runtime-ubuntu22.04"
+    assert f"pip install torch=={TORCH_VERSION} torchvision=={TORCHVISION_VERSION}" in steps
+    assert "dist.is_nccl_available()" in steps
+    for absent in ("horovod", "openmpi", "mpi", "build-essential", "nvcc", "patches", "openssh"):
+        assert absent not in steps.lower(), absent
+    reqs = (ctx / "requirements.txt").read_text().split()
+    assert "azureml-mlflow" in reqs and any(r.startswith("jsonargparse[signatures]") for r in reqs)
+    assert not any("horovod" in r.lower() for r in reqs)
+
+
+@pytest.mark.parametrize("strategy", ["horovod_adasum", "horovod"])
+def test_mpi_strategies_keep_the_horovod_image(strategy, tmp_path):
+    ctx = stage_job(AmlJob(strategy=strategy), tmp_path / "stage").context_dir
+    steps = _instructions((ctx / "Dockerfile").read_text())
+    assert steps.splitlines()[0] == "FROM nvidia/cuda:13.0.0-devel-ubuntu22.04"
+    assert "bash /tmp/adasum/patches/build_horovod.sh --gpu" in steps and "openmpi-bin" in steps
+    assert (ctx / "patches" / "build_horovod.sh").is_file()
 
 
 def test_image_pins_match_make_setup():
@@ -95,6 +135,41 @@ def test_v1_script_run_config(staged):
     )
     assert rc["docker"]["useDocker"] is True and rc["docker"]["shmSize"] == "16g"
     assert json.loads(sdk_v1.render(src)) == rc
+
+
+def test_v1_pytorch_job_for_ddp_adasum(staged_ddp):
+    from azureml.core.runconfig import PyTorchConfiguration
+
+    src = sdk_v1.build(AmlJob(**DDP_JOB), staged_ddp)
+    assert isinstance(src.run_config.pytorch, PyTorchConfiguration)
+    rc = sdk_v1.run_configuration(src)
+    # azureml-core's run configuration JSON for PyTorchConfiguration: framework PyTorch, the NCCL backend,
+    # processCount = the job's total processes (nodes × per node), nodeCount = nodes
+    assert rc["framework"] == "PyTorch" and rc["communicator"] == "nccl" and rc["nodeCount"] == 3
+    assert rc["pytorch"] == {"communicationBackend": "nccl", "processCount": 12, "nodeCount": 3}
+    assert rc["script"] == "mnist.py" and rc["arguments"][0] == "fit"
+    timeout = timedelta_arg(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)
+    for arg in (
+        "--trainer.strategy=adasum_lightning.DDPAdasumStrategy",
+        f"--trainer.strategy.timeout={timeout}",
+        "--trainer.accelerator=gpu",
+        "--trainer.devices=4",
+        "--trainer.num_nodes=3",
+    ):
+        assert arg in rc["arguments"], arg
+    assert rc["environmentVariables"] == DDP_ENV  # no OMPI_MCA_* without MPI
+    env = rc["environment"]
+    assert env["name"] == "adasum-lightning-ddp"
+    assert env["docker"]["buildContext"]["location"] == str(staged_ddp.context_dir)
+    assert env["python"]["interpreterPath"] == "/opt/venv/bin/python"
+    assert json.loads(sdk_v1.render(src)) == rc
+
+
+def test_v1_mpi_job_carries_the_open_mpi_fault_settings(staged):
+    rc = sdk_v1.run_configuration(sdk_v1.build(AmlJob(strategy="horovod"), staged))
+    assert rc["framework"] != "PyTorch" and rc["mpi"] == {"processCountPerNode": 4, "nodeCount": 8}
+    assert launch_settings.mpi_env().items() <= rc["environmentVariables"].items()
+    assert "--trainer.strategy=horovod" in rc["arguments"]
 
 
 def test_v1_submit_goes_to_the_experiment_and_creates_the_cluster(staged, monkeypatch, capsys):
@@ -188,6 +263,40 @@ def test_v2_command_job(staged, tmp_path):
     assert reloaded.command == job_entity.command
 
 
+def test_v2_pytorch_job_for_ddp_adasum(staged_ddp, tmp_path):
+    from azure.ai.ml import PyTorchDistribution, load_job
+
+    job_entity = sdk_v2.build(AmlJob(**DDP_JOB), staged_ddp)
+    assert isinstance(job_entity.distribution, PyTorchDistribution)
+    text = sdk_v2.render(job_entity)
+    data = yaml.safe_load(text)
+    assert data["distribution"] == {"type": "pytorch", "process_count_per_instance": 4}
+    assert data["resources"] == {"instance_count": 3, "properties": {}, "shm_size": "16g"}
+    words = data["command"].split()
+    assert words[:4] == ["python", "mnist.py", "fit", "--trainer.strategy=adasum_lightning.DDPAdasumStrategy"]
+    timeout = timedelta_arg(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)
+    for arg in (f"--trainer.strategy.timeout={timeout}", "--trainer.devices=4", "--trainer.num_nodes=3"):
+        assert arg in words, arg
+    assert "--trainer.accelerator=gpu" in words
+    assert data["environment_variables"] == DDP_ENV
+    assert data["environment"]["name"] == "adasum-lightning-ddp"
+    assert data["environment"]["build"] == {
+        "path": str(staged_ddp.context_dir),
+        "dockerfile_path": "Dockerfile",
+    }
+    assert data["tags"]["strategy"] == "ddp_adasum" and data["tags"]["world_size"] == "12"
+    (tmp_path / "job.yml").write_text(text)
+    reloaded = load_job(tmp_path / "job.yml")
+    assert isinstance(reloaded.distribution, PyTorchDistribution)
+    assert reloaded.distribution.process_count_per_instance == 4 and reloaded.resources.instance_count == 3
+
+
+def test_v2_mpi_job_carries_the_open_mpi_fault_settings(staged):
+    data = yaml.safe_load(sdk_v2.render(sdk_v2.build(AmlJob(strategy="horovod", node_count=3), staged)))
+    assert data["distribution"] == {"type": "mpi", "process_count_per_instance": 4}
+    assert launch_settings.mpi_env().items() <= data["environment_variables"].items()
+
+
 def _mock_client():
     from azure.ai.ml import MLClient
     from azure.ai.ml.operations import ComputeOperations, JobOperations
@@ -223,6 +332,22 @@ def test_v2_submit_creates_the_cluster_and_the_job(staged, capsys):
     )
     assert dict(job_entity.environment_variables) == ENV
     assert "https://ml.azure.com/runs/adasum_job_1" in capsys.readouterr().out
+
+
+def test_v2_submit_of_ddp_adasum_sends_a_pytorch_job(staged_ddp):
+    from azure.ai.ml import PyTorchDistribution
+    from azure.ai.ml.entities import AmlCompute
+
+    client = _mock_client()
+    client.compute.get.return_value = AmlCompute(
+        name="adasum-nc64t4", size="Standard_NC64as_T4_v3", max_instances=8
+    )
+    sdk_v2.submit(AmlJob(**DDP_JOB), staged_ddp, CONFIG, client=client)
+    (job_entity,), _ = client.jobs.create_or_update.call_args
+    assert isinstance(job_entity.distribution, PyTorchDistribution)
+    assert (
+        job_entity.distribution.process_count_per_instance == 4 and job_entity.resources.instance_count == 3
+    )
 
 
 def test_v2_existing_cluster_too_small_is_refused(staged):
@@ -266,6 +391,47 @@ def test_dry_run_v2_prints_the_job_yaml_with_pass_through_args(capsys, tmp_path)
         data["resources"]["instance_count"] == 4 and data["distribution"]["process_count_per_instance"] == 4
     )
     assert data["command"].endswith("--trainer.default_root_dir=outputs --trainer.max_epochs=2")
+
+
+def test_dry_run_v1_ddp_adasum_prints_a_pytorch_job(capsys, tmp_path):
+    argv = ["submit", "--strategy", "ddp_adasum", "--sdk", "v1", "--dry-run", "--nodes", "3"]
+    assert cli.main([*argv, "--staging-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    rc = json.loads(out.out)
+    assert rc["framework"] == "PyTorch" and rc["pytorch"]["processCount"] == 12 and rc["nodeCount"] == 3
+    assert "--trainer.num_nodes=3" in rc["arguments"] and "--trainer.devices=4" in rc["arguments"]
+    assert not any(k.startswith("OMPI_") for k in rc["environmentVariables"])
+    assert not (tmp_path / "image" / "patches").exists()
+    assert "ddp_adasum as a PyTorch job, 3 nodes × 4 processes (12 GPUs)" in out.err
+
+
+def test_dry_run_v2_ddp_adasum_takes_a_world_size_that_is_no_power_of_2(capsys, tmp_path):
+    argv = ["submit", "--strategy", "ddp_adasum", "--sdk", "v2", "--dry-run", "--nodes", "3"]
+    assert (
+        cli.main([*argv, "--gpus-per-node", "3", "--staging-dir", str(tmp_path), "--trainer.max_epochs=2"])
+        == 0
+    )
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert data["distribution"] == {"type": "pytorch", "process_count_per_instance": 3}
+    assert data["resources"]["instance_count"] == 3
+    words = data["command"].split()
+    assert "--trainer.devices=3" in words and "--trainer.num_nodes=3" in words
+    assert words[-1] == "--trainer.max_epochs=2"
+
+
+@pytest.mark.parametrize("sdk", ["v1", "v2"])
+@pytest.mark.parametrize("strategy", ["horovod_adasum", "horovod"])
+def test_dry_run_of_mpi_jobs_shows_the_open_mpi_fault_settings(sdk, strategy, capsys, tmp_path):
+    argv = ["submit", "--strategy", strategy, "--sdk", sdk, "--dry-run", "--staging-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    env = (
+        json.loads(out)["environmentVariables"]
+        if sdk == "v1"
+        else yaml.safe_load(out)["environment_variables"]
+    )
+    assert launch_settings.mpi_env().items() <= env.items()
+    assert all(name.startswith("OMPI_MCA_") for name in launch_settings.mpi_env())
 
 
 @pytest.mark.parametrize("sdk", ["v1", "v2"])

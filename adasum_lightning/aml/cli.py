@@ -6,7 +6,11 @@
     adasum-aml submit --sdk v1 --dry-run                       # print the v1 run configuration (JSON)
     adasum-aml submit --sdk v2 --dry-run                       # print the v2 job (YAML)
     adasum-aml submit --local 2 --data-dir ../shared/data      # the job's command, 2 CPU processes
+    adasum-aml submit --strategy ddp_adasum --dry-run          # a PyTorch job: no MPI, no Horovod
     adasum-aml submit -- --trainer.max_epochs=2 --model.lr=0.02   # pass-through training arguments
+
+``--strategy horovod_adasum`` (default) and ``horovod`` submit an Azure ML MPI job; ``ddp_adasum`` a
+PyTorch job (Azure ML starts one process per GPU and sets the torch.distributed variables).
 
 Exit codes: 0 success; 1 submission failed (network, authentication, Azure); 2 bad input (the message
 names the fix; nothing was sent to Azure); otherwise the local run's exit code.
@@ -25,10 +29,13 @@ from pathlib import Path
 from adasum_lightning.aml.job import (
     DEFAULT_BASE_IMAGE,
     DEFAULT_CLUSTER,
+    DEFAULT_DDP_BASE_IMAGE,
     DEFAULT_EXPERIMENT,
     DEFAULT_NODE_COUNT,
     DEFAULT_PROCESSES_PER_NODE,
+    DEFAULT_STRATEGY,
     DEFAULT_VM_SIZE,
+    STRATEGIES,
     AmlJob,
     AmlSubmitError,
     AmlUsageError,
@@ -99,9 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "submit",
         help="submit the job (or --dry-run / --local N)",
-        description="Submit the MNIST example with horovod_adasum to an Azure ML GPU cluster. Arguments "
-        "after "
+        description="Submit the MNIST example with horovod_adasum (an MPI job), horovod (an MPI job) or "
+        "ddp_adasum (a PyTorch job) to an Azure ML GPU cluster. Arguments after "
         "'--' (and unknown --trainer.*/--model.*/--data.* options) are passed to the training script.",
+    )
+    p.add_argument(
+        "--strategy",
+        default=DEFAULT_STRATEGY,
+        help=f"{', '.join(STRATEGIES)} (default {DEFAULT_STRATEGY}): the Horovod strategies run as an "
+        "Azure ML MPI job, ddp_adasum as a PyTorch job (no MPI, no Horovod)",
     )
     p.add_argument(
         "--config",
@@ -109,12 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: ./config_aml.json, ./config.json, ./.azureml/config.json)",
     )
     p.add_argument("--sdk", default="auto", help="auto (v2 when installed, else v1), v1 (azureml-core) or v2")
-    p.add_argument("--nodes", type=int, default=DEFAULT_NODE_COUNT, help="nodes, a power of 2 (default 8)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=DEFAULT_NODE_COUNT,
+        help="nodes (default 8; a power of 2 for horovod_adasum)",
+    )
     p.add_argument(
         "--gpus-per-node",
         type=int,
         default=DEFAULT_PROCESSES_PER_NODE,
-        help="MPI processes (GPUs) per node, a power of 2 (default 4)",
+        help="processes (GPUs) per node (default 4; a power of 2 for horovod_adasum)",
     )
     p.add_argument("--vm-size", default=DEFAULT_VM_SIZE, help=f"Azure VM size (default {DEFAULT_VM_SIZE})")
     p.add_argument(
@@ -126,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-nodes", type=int, default=0, help="cluster minimum nodes (default 0: no idle cost)")
     p.add_argument("--max-nodes", type=int, default=None, help="cluster maximum nodes (default: --nodes)")
     p.add_argument(
-        "--base-image", default=DEFAULT_BASE_IMAGE, help=f"job image base (default {DEFAULT_BASE_IMAGE})"
+        "--base-image",
+        default=None,
+        help=f"job image base (default {DEFAULT_BASE_IMAGE} for the Horovod strategies, "
+        f"{DEFAULT_DDP_BASE_IMAGE} for ddp_adasum)",
     )
     p.add_argument(
         "--env",
@@ -151,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--local",
         type=int,
         metavar="N",
-        help="run the job's command here under horovodrun with N CPU processes (power of 2)",
+        help="run the job's command here with N CPU processes: under horovodrun for the Horovod strategies "
+        "(a power of 2 for horovod_adasum), started as an Azure ML PyTorch job starts them for ddp_adasum",
     )
     p.add_argument("--local-batches", type=int, default=4, help="batches per process for --local (default 4)")
     p.add_argument(
@@ -186,6 +208,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def job_from_args(args: argparse.Namespace) -> AmlJob:
     """The validated :class:`AmlJob` for parsed arguments (raises :class:`AmlUsageError`)."""
     return AmlJob(
+        strategy=args.strategy,
         experiment_name=args.experiment,
         compute_name=args.cluster,
         vm_size=args.vm_size,
@@ -200,8 +223,10 @@ def job_from_args(args: argparse.Namespace) -> AmlJob:
 
 
 def _summary(job: AmlJob, sdk: str) -> str:
+    kind = "an MPI job" if job.is_mpi else "a PyTorch job"
     return (
-        f"[{PROG}] SDK {sdk}: {job.node_count} nodes × {job.process_count_per_node} processes "
+        f"[{PROG}] SDK {sdk}: {job.strategy} as {kind}, {job.node_count} nodes × "
+        f"{job.process_count_per_node} processes "
         f"({job.world_size} GPUs) of {job.vm_size} on cluster {job.compute_name} "
         f"({job.min_nodes}–{job.max_nodes} nodes), experiment {job.experiment_name}"
     )
@@ -211,13 +236,9 @@ def submit_command(args: argparse.Namespace) -> int:
     """``adasum-aml submit``: validate everything offline, then dry-run, run locally or submit."""
     job = job_from_args(args)
     if args.local is not None:
-        from adasum_lightning.aml.job import is_power_of_two
-        from adasum_lightning.aml.local import run_local
+        from adasum_lightning.aml.local import check_local_count, run_local
 
-        if not is_power_of_two(args.local):
-            raise AmlUsageError(
-                f"--local {args.local}: the process count must be a power of 2 (1, 2, 4, …) for Adasum"
-            )
+        check_local_count(job, args.local)
         work = (
             Path(args.staging_dir) if args.staging_dir else Path(tempfile.mkdtemp(prefix="adasum-aml-local-"))
         )

@@ -1,18 +1,30 @@
 """The SDK-independent description of the Azure ML training job, validated when it is created.
 
 :class:`AmlJob` holds everything both backends (:mod:`.sdk_v1`, :mod:`.sdk_v2`) and the local smoke test
-(:mod:`.local`) need: experiment and compute-cluster names, VM size, topology (nodes × MPI processes per
-node, one process per GPU), cluster scaling bounds, the training command, environment variables and the
-base image of the job environment. Nothing here imports an Azure SDK.
+(:mod:`.local`) need: the strategy (which decides the kind of job), experiment and compute-cluster names,
+VM size, topology (nodes × processes per node, one process per GPU), cluster scaling bounds, the training
+command, environment variables and the base image of the job environment. Nothing here imports an Azure
+SDK.
+
+Two kinds of job:
+
+- ``horovod_adasum`` / ``horovod``: an Azure ML **MPI** job. Azure ML builds the ``mpirun`` and starts the
+  training command once per process; the image has Open MPI and Horovod. The job's environment variables
+  carry Open MPI's fault settings (:func:`adasum_lightning.launch_settings.mpi_env`).
+- ``ddp_adasum``: an Azure ML **PyTorch** job (SDK v2 ``PyTorchDistribution``, v1 ``PyTorchConfiguration``);
+  no MPI, no Horovod. What Azure ML sets there and how Lightning reads it: see :data:`AML_PYTORCH_VARIABLES`.
 """
 
 from __future__ import annotations
 
+import datetime
 import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from adasum_lightning import launch_settings
 
 
 class AmlUsageError(ValueError):
@@ -105,7 +117,54 @@ DEFAULT_EXPERIMENT = "adasum-lightning-mnist"
 #: CUDA 13.0 *devel* image: nvcc and the NCCL headers Horovod's NCCL build needs, the CUDA release that
 #: PyTorch 2.14.1's registry wheels are built with. OpenMPI and Python come from Ubuntu 22.04.
 DEFAULT_BASE_IMAGE = "nvidia/cuda:13.0.0-devel-ubuntu22.04"
+#: Base of the ``ddp_adasum`` image: nothing is compiled there (no Horovod), so the CUDA *runtime* image of
+#: the same release is enough (the torch wheels bring their own CUDA libraries and NCCL).
+DEFAULT_DDP_BASE_IMAGE = "nvidia/cuda:13.0.0-runtime-ubuntu22.04"
 ENVIRONMENT_NAME = "adasum-lightning-horovod-nccl"
+#: Azure ML environment of ``ddp_adasum`` jobs (another image: its own name, so versions never mix).
+DDP_ENVIRONMENT_NAME = "adasum-lightning-ddp"
+
+#: Strategies ``adasum-aml submit --strategy`` accepts. The Horovod ones run as Azure ML MPI jobs,
+#: ``ddp_adasum`` as an Azure ML PyTorch job.
+STRATEGIES: tuple[str, ...] = ("horovod_adasum", "horovod", "ddp_adasum")
+MPI_STRATEGIES = frozenset({"horovod_adasum", "horovod"})
+DEFAULT_STRATEGY = "horovod_adasum"
+
+# Azure ML PyTorch jobs (``distribution: type: pytorch``) start ``process_count_per_instance`` processes on
+# each of ``instance_count`` nodes themselves (per-process launch, no torchrun) and, in Microsoft's words,
+# "set the MASTER_ADDR, MASTER_PORT, WORLD_SIZE, and NODE_RANK environment variables on each node, and set
+# the process-level RANK and LOCAL_RANK environment variables" (Azure ML docs, "Distributed GPU training
+# guide", SDK v2 and v1: MicrosoftDocs/azure-ai-docs articles/machine-learning/how-to-train-distributed-gpu.md
+# and v1/how-to-train-distributed-gpu.md; the v1 page adds that Azure ML sets MASTER_PORT to 6105 and, for
+# Lightning, "num_nodes = node_count and gpus = process_count_per_node"). TORCHELASTIC_RUN_ID, SLURM's and
+# LSF's variables are not among them (documented, not seen on a live cluster: this project has no Azure
+# access), and the image has no mpi4py, so Lightning's accelerator connector
+# (``_choose_and_init_cluster_environment``: TorchElastic, SLURM, LSF, MPI, else Lightning) picks
+# **LightningEnvironment** (lightning_fabric/plugins/environments/lightning.py, Lightning 2.6.6):
+# LOCAL_RANK present → ``creates_processes_externally`` (Lightning starts no processes of its own);
+# MASTER_ADDR/MASTER_PORT → the rendezvous address; NODE_RANK → ``node_rank``; LOCAL_RANK → ``local_rank``.
+# It does NOT read RANK or WORLD_SIZE: DDPStrategy.set_world_ranks computes the global rank as
+# ``NODE_RANK × devices + LOCAL_RANK`` and the world size as ``num_nodes × devices`` from the Trainer's
+# arguments, and LightningEnvironment.validate_settings checks nothing (only TorchElastic and SLURM compare
+# devices × num_nodes with WORLD_SIZE). So the command must say ``--trainer.devices=<processes per node>
+# --trainer.num_nodes=<nodes>``: other values give duplicate ranks or a rendezvous that waits for ranks that
+# never come. :class:`AmlJob` sets both from the topology and refuses training arguments that change them.
+#: The variables Azure ML sets in every process of a PyTorch job (so ``--env`` must not set them).
+AML_PYTORCH_VARIABLES: tuple[str, ...] = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "RANK",
+    "LOCAL_RANK",
+)
+#: ``ddp_adasum`` is given as its class, so that LightningCLI accepts its ``timeout`` argument: the strategy
+#: *name* (``--trainer.strategy=ddp_adasum``) is a plain string to LightningCLI and takes no
+#: ``--trainer.strategy.timeout`` ("Expected a dot import path string"); the class path does, with a
+#: ``datetime.timedelta`` written as jsonargparse reads it, ``H:MM:SS`` (checked with pytorch_lightning's and
+#: lightning's LightningCLI, jsonargparse 4.53). ``adasum_lightning.DDPAdasumStrategy`` resolves to the class
+#: of whichever Lightning package the script imported.
+DDP_STRATEGY_CLASS = "adasum_lightning.DDPAdasumStrategy"
 #: Seconds an idle node waits before the cluster scales down (cost: min nodes 0 means no idle charge).
 IDLE_SECONDS_BEFORE_SCALEDOWN = 1800
 
@@ -113,15 +172,19 @@ IDLE_SECONDS_BEFORE_SCALEDOWN = 1800
 TRAINING_SCRIPT = "mnist.py"
 #: Arguments of the MNIST example on the cluster: one GPU per MPI process, Adasum, MNIST downloaded into
 #: ./data on each node, Lightning outputs in ./outputs (Azure ML uploads that folder with the run).
+_COMMON_TRAINING_ARGS: tuple[str, ...] = (
+    "--trainer.max_epochs=10",
+    "--trainer.enable_progress_bar=false",
+    "--data.data_dir=data",
+    "--trainer.default_root_dir=outputs",
+)
+#: The training arguments of the default job (``horovod_adasum``); see :meth:`AmlJob.training_command`.
 DEFAULT_TRAINING_ARGS: tuple[str, ...] = (
     "fit",
     "--trainer.strategy=horovod_adasum",
     "--trainer.accelerator=gpu",
     "--trainer.devices=1",
-    "--trainer.max_epochs=10",
-    "--trainer.enable_progress_bar=false",
-    "--data.data_dir=data",
-    "--trainer.default_root_dir=outputs",
+    *_COMMON_TRAINING_ARGS,
 )
 #: Environment variables every job gets (one intra-op thread per process, NCCL warnings, unbuffered logs).
 DEFAULT_ENVIRONMENT_VARIABLES: Mapping[str, str] = MappingProxyType(
@@ -131,7 +194,25 @@ DEFAULT_ENVIRONMENT_VARIABLES: Mapping[str, str] = MappingProxyType(
 _CLUSTER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]{1,14}[A-Za-z0-9]$")
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,254}$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: nvidia/cuda images without nvcc (``…-runtime-…``, ``…-base-…``, ``cudnn-runtime``).
+_CUDA_WITHOUT_NVCC_RE = re.compile(r"^(docker\.io/)?nvidia/cuda:[^ ]*-(runtime|base)-", re.I)
 _SECRET_RE = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|(^|_)KEY($|_)|CONNECTION_STRING|SAS", re.I)
+
+
+def timedelta_arg(value: datetime.timedelta) -> str:
+    """``value`` as jsonargparse parses a ``datetime.timedelta``: ``H:MM:SS`` or ``D day(s), H:MM:SS``."""
+    return str(value)
+
+
+def option_values(args: Sequence[str], name: str) -> list[str]:
+    """Values given to the option ``name`` in ``args`` (``--name=value`` or ``--name value``), in order."""
+    values = []
+    for i, arg in enumerate(args):
+        if arg.startswith(name + "="):
+            values.append(arg[len(name) + 1 :])
+        elif arg == name and i + 1 < len(args):
+            values.append(args[i + 1])
+    return values
 
 
 def is_power_of_two(n: int) -> bool:
@@ -169,29 +250,37 @@ def _size_with_gpus(gpus: int) -> str:
 
 @dataclass(frozen=True)
 class AmlJob:
-    """One Azure ML training job of the MNIST example with Horovod Adasum.
+    """One Azure ML training job of the MNIST example with an Adasum (or Horovod) strategy.
 
-    The job runs ``node_count × process_count_per_node`` MPI processes, one per GPU. Azure ML starts the
-    training command once per process under its own ``mpirun``.
+    The job runs ``node_count × process_count_per_node`` processes, one per GPU: under Azure ML's
+    ``mpirun`` for the Horovod strategies (an MPI job), started by Azure ML itself for ``ddp_adasum`` (a
+    PyTorch job, see :data:`AML_PYTORCH_VARIABLES`).
 
     Attributes:
+        strategy: ``"horovod_adasum"`` (default), ``"horovod"`` or ``"ddp_adasum"`` (:data:`STRATEGIES`).
         experiment_name: Azure ML experiment the run is filed under (letters, digits, ``_``, ``-``).
         compute_name: AmlCompute cluster name (2–16 characters: letters, digits, ``-``; starts with a
             letter). Created on first submit if the workspace lacks it.
         vm_size: Azure VM size of each node; must be current and have ≥ ``process_count_per_node`` GPUs.
-        node_count: nodes the job runs on (power of 2: Adasum combines 2^k nodes). Default 8.
-        process_count_per_node: MPI processes (= GPUs used) per node (power of 2). Default 4.
+        node_count: nodes the job runs on (a power of 2 for ``horovod_adasum``: Horovod's Adasum combines
+            2^k nodes; any count for the others). Default 8.
+        process_count_per_node: processes (= GPUs used) per node (a power of 2 for ``horovod_adasum``).
+            Default 4.
         min_nodes: cluster minimum size; 0 (default) means no node is billed while the cluster is idle.
         max_nodes: cluster maximum size (≥ ``node_count``); ``None`` means ``node_count``.
         training_args: extra arguments appended to the example's command line (LightningCLI: the last
-            value of an option wins), e.g. ``("--trainer.max_epochs=2",)``.
+            value of an option wins), e.g. ``("--trainer.max_epochs=2",)``. The strategy, ``devices`` and
+            ``num_nodes`` follow ``strategy`` and the topology and cannot be changed here.
         environment_variables: extra environment variables of the job (merged over
-            :data:`DEFAULT_ENVIRONMENT_VARIABLES`). Names that look like secrets are refused: job
+            :data:`DEFAULT_ENVIRONMENT_VARIABLES`, and for MPI jobs over Open MPI's fault settings
+            :func:`adasum_lightning.launch_settings.mpi_env`). Names that look like secrets are refused: job
             variables are visible in the run's details.
-        base_image: base image of the job environment's Dockerfile (needs nvcc and NCCL headers).
+        base_image: base image of the job environment's Dockerfile; ``None`` (default): a CUDA *devel*
+            image for the Horovod strategies (Horovod's NCCL build needs nvcc and the NCCL headers), the
+            CUDA *runtime* image for ``ddp_adasum``.
 
     Raises:
-        AmlUsageError: on creation, for any invalid field (the message names the fix).
+        AmlUsageError: on creation, for any invalid field or combination (the message names the fix).
     """
 
     experiment_name: str = DEFAULT_EXPERIMENT
@@ -203,18 +292,25 @@ class AmlJob:
     max_nodes: int | None = None
     training_args: Sequence[str] = ()
     environment_variables: Mapping[str, str] = field(default_factory=dict)
-    base_image: str = DEFAULT_BASE_IMAGE
+    base_image: str | None = None
+    strategy: str = DEFAULT_STRATEGY
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise AmlUsageError(
+                f"unknown strategy {self.strategy!r}: use --strategy horovod_adasum (Horovod's Adasum, an "
+                "MPI job), --strategy horovod (Horovod averaging, an MPI job) or --strategy ddp_adasum "
+                "(Adasum on torch.distributed, a PyTorch job)"
+            )
         for name, flag in (("node_count", "--nodes"), ("process_count_per_node", "--gpus-per-node")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AmlUsageError(f"{name} must be a positive integer, got {value!r}: fix {flag}")
-            if not is_power_of_two(value):
+            if self.strategy == "horovod_adasum" and not is_power_of_two(value):
                 lower, upper = 1 << (value.bit_length() - 1), 1 << value.bit_length()
                 raise AmlUsageError(
-                    f"{name}={value} is not a power of 2; Adasum combines 2^k workers. "
-                    f"Use {flag} {lower} or {flag} {upper}"
+                    f"{name}={value} is not a power of 2; Horovod's Adasum combines 2^k workers. "
+                    f"Use {flag} {lower} or {flag} {upper}, or --strategy ddp_adasum (any count)"
                 )
         size = lookup_vm_size(self.vm_size)
         object.__setattr__(self, "vm_size", size.name)
@@ -246,13 +342,26 @@ class AmlJob:
                 f"experiment name {self.experiment_name!r} is invalid: use 1–255 letters, digits, '_' or '-' "
                 "starting with a letter or digit. Fix --experiment"
             )
-        if not isinstance(self.base_image, str) or not self.base_image.strip() or " " in self.base_image:
-            raise AmlUsageError(f"base image {self.base_image!r} is not an image reference: fix --base-image")
+        base_image = self.base_image
+        if base_image is None:
+            base_image = DEFAULT_BASE_IMAGE if self.is_mpi else DEFAULT_DDP_BASE_IMAGE
+        if not isinstance(base_image, str) or not base_image.strip() or " " in base_image:
+            raise AmlUsageError(f"base image {base_image!r} is not an image reference: fix --base-image")
+        if self.is_mpi and _CUDA_WITHOUT_NVCC_RE.match(base_image):
+            raise AmlUsageError(
+                f"base image {base_image} has no nvcc, which the job image's Horovod build needs for its "
+                f"NCCL operations (--strategy {self.strategy}). Pass a CUDA devel image, e.g. --base-image "
+                f"{DEFAULT_BASE_IMAGE} (the default), or --strategy ddp_adasum (no Horovod)"
+            )
+        object.__setattr__(self, "base_image", base_image)
         args = tuple(self.training_args)
         if not all(isinstance(a, str) for a in args):
             raise AmlUsageError(f"training arguments must be strings, got {args!r}")
+        self._check_training_args(args)
         object.__setattr__(self, "training_args", args)
         env = dict(DEFAULT_ENVIRONMENT_VARIABLES)
+        if self.is_mpi:
+            env.update(launch_settings.mpi_env())
         for key, value in dict(self.environment_variables).items():
             if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
                 raise AmlUsageError(f"environment variable name {key!r} is invalid: fix --env NAME=VALUE")
@@ -261,22 +370,105 @@ class AmlJob:
                     f"environment variable {key} looks like a secret; job variables are shown in the run's "
                     "details and in --dry-run output. Keep secrets in the workspace's key vault instead"
                 )
+            if not self.is_mpi:
+                self._check_ddp_variable(key)
             env[key] = str(value)
         object.__setattr__(self, "environment_variables", MappingProxyType(env))
 
+    def _check_training_args(self, args: tuple[str, ...]) -> None:
+        """Refuse training arguments that would contradict the strategy or the topology of the job."""
+        if option_values(args, "--trainer.strategy"):
+            raise AmlUsageError(
+                "the job's strategy is chosen with --strategy (it also decides the kind of Azure ML job: MPI "
+                "or PyTorch), not with --trainer.strategy: remove --trainer.strategy and pass --strategy "
+                f"{' or --strategy '.join(STRATEGIES)}"
+            )
+        fixed = {"--trainer.devices": ("--gpus-per-node", self.devices)}
+        if not self.is_mpi:
+            fixed["--trainer.num_nodes"] = ("--nodes", self.node_count)
+        for option, (flag, expected) in fixed.items():
+            for value in option_values(args, option):
+                if value.strip() == str(expected):
+                    continue
+                if self.is_mpi:
+                    raise AmlUsageError(
+                        f"{option}={value}: each MPI process of a --strategy {self.strategy} job drives one "
+                        f"GPU ({option}=1). Remove {option}; set the GPUs per node with {flag} N"
+                    )
+                count = value.strip() if value.strip().isdigit() and int(value) > 0 else "N"
+                raise AmlUsageError(
+                    f"{option}={value} contradicts the job's topology ({option}={expected}): Lightning "
+                    "computes the ranks of an Azure ML PyTorch job from devices × num_nodes, and any other "
+                    f"value hangs or duplicates ranks. Remove {option}; set it with {flag} {count}"
+                )
+
+    def _check_ddp_variable(self, key: str) -> None:
+        if key in AML_PYTORCH_VARIABLES:
+            raise AmlUsageError(
+                f"environment variable {key} is set by Azure ML in every process of a PyTorch job "
+                f"(--strategy ddp_adasum); remove --env {key}=…"
+            )
+        if key.startswith(("OMPI_", "HOROVOD_")):
+            raise AmlUsageError(
+                f"environment variable {key} has no effect in a --strategy ddp_adasum job (no MPI, no "
+                f"Horovod): remove --env {key}=…, or use --strategy horovod_adasum"
+            )
+
+    @property
+    def is_mpi(self) -> bool:
+        """True for the Horovod strategies (an Azure ML MPI job), False for ``ddp_adasum`` (a PyTorch job)."""
+        return self.strategy in MPI_STRATEGIES
+
+    @property
+    def devices(self) -> int:
+        """``--trainer.devices`` of the job's command: 1 per MPI process, the GPUs per node for DDP."""
+        return 1 if self.is_mpi else self.process_count_per_node
+
+    @property
+    def environment_name(self) -> str:
+        """Name of the Azure ML environment (the job image) for this strategy."""
+        return ENVIRONMENT_NAME if self.is_mpi else DDP_ENVIRONMENT_NAME
+
     @property
     def world_size(self) -> int:
-        """Total MPI processes (GPUs) of the job: ``node_count × process_count_per_node``."""
+        """Total processes (GPUs) of the job: ``node_count × process_count_per_node``."""
         return self.node_count * self.process_count_per_node
 
+    def strategy_args(self) -> list[str]:
+        """The Trainer arguments that follow from the strategy and the topology.
+
+        Horovod strategies: ``--trainer.strategy=NAME --trainer.accelerator=gpu --trainer.devices=1`` (one
+        GPU per MPI process). ``ddp_adasum``: the strategy's class with the process-group timeout
+        :data:`adasum_lightning.launch_settings.DDP_PROCESS_GROUP_TIMEOUT` (a collective that waits that long
+        for a lost node fails instead of hanging), ``--trainer.accelerator=gpu``,
+        ``--trainer.devices=<processes per node>`` and ``--trainer.num_nodes=<nodes>`` (see
+        :data:`AML_PYTORCH_VARIABLES` for why both must match the job).
+        """
+        if self.is_mpi:
+            return [f"--trainer.strategy={self.strategy}", "--trainer.accelerator=gpu", "--trainer.devices=1"]
+        return [
+            f"--trainer.strategy={DDP_STRATEGY_CLASS}",
+            f"--trainer.strategy.timeout={timedelta_arg(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)}",
+            "--trainer.accelerator=gpu",
+            f"--trainer.devices={self.process_count_per_node}",
+            f"--trainer.num_nodes={self.node_count}",
+        ]
+
     def training_command(self, python: str = "python") -> list[str]:
-        """The command every MPI process runs, as an argument list, e.g.
+        """The command every process runs, as an argument list, e.g.
         ``["python", "mnist.py", "fit", "--trainer.strategy=horovod_adasum", ...]``.
 
         Args:
             python: interpreter to start (``"python"`` on the cluster: the image's venv is first on PATH).
         """
-        return [python, TRAINING_SCRIPT, *DEFAULT_TRAINING_ARGS, *self.training_args]
+        return [
+            python,
+            TRAINING_SCRIPT,
+            "fit",
+            *self.strategy_args(),
+            *_COMMON_TRAINING_ARGS,
+            *self.training_args,
+        ]
 
     def command_line(self) -> str:
         """:meth:`training_command` as one shell-quoted string (the SDK v2 ``command``)."""

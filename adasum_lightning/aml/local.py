@@ -1,8 +1,17 @@
-"""``--local N``: the job's training command under ``horovodrun`` on this machine, N CPU processes.
+"""``--local N``: the job's training command on this machine, N CPU processes.
 
 A smoke test before paying for a cluster: the same code snapshot and the same command line as the job
 (:meth:`.job.AmlJob.training_command`), followed by overrides for a CPU run of a few batches (LightningCLI
-keeps the last value of an option). The job's environment variables are set too.
+keeps the last value of an option). The job's environment variables are set too. The processes start as
+they would on Azure ML:
+
+- Horovod strategies (an MPI job): under ``horovodrun`` (Open MPI);
+- ``ddp_adasum`` (a PyTorch job): N processes started here directly, each with the variables an Azure ML
+  PyTorch job sets (:data:`.job.AML_PYTORCH_VARIABLES`: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+  ``NODE_RANK``, ``RANK``, ``LOCAL_RANK``) on one node, with ``--trainer.devices=N --trainer.num_nodes=1``:
+  the same path through Lightning's ``LightningEnvironment`` as on the cluster (not ``torchrun``, whose
+  ``TORCHELASTIC_RUN_ID`` would select ``TorchElasticEnvironment`` instead). When one process fails, the
+  others are stopped.
 """
 
 from __future__ import annotations
@@ -11,12 +20,22 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from adasum_lightning.aml.job import AmlJob, AmlUsageError, is_power_of_two
+from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob, AmlUsageError, is_power_of_two
 from adasum_lightning.aml.staging import stage_code
+
+#: Inherited variables of other launchers and schedulers, removed from a ``ddp_adasum`` local run so that
+#: Lightning sees only what an Azure ML PyTorch job sets (e.g. ``TORCHELASTIC_RUN_ID`` would select
+#: ``TorchElasticEnvironment``, ``SLURM_NTASKS`` ``SLURMEnvironment``, ``OMPI_COMM_WORLD_RANK`` the rank
+#: that ``adasum_lightning`` gives Lightning's rank-zero logging).
+_OTHER_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "HOROVOD_", "SLURM_", "LSB_", "JSM_")
+_OTHER_LAUNCHER_NAMES = ("GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")
 
 
 def local_overrides(data_dir: str | os.PathLike, output_dir: str | os.PathLike, batches: int) -> list[str]:
@@ -37,19 +56,46 @@ def local_overrides(data_dir: str | os.PathLike, output_dir: str | os.PathLike, 
     ]
 
 
+def check_local_count(job: AmlJob, np: int) -> None:
+    """Refuse a ``--local`` process count: not a positive integer, or not a power of 2 for
+    ``horovod_adasum`` (Horovod's Adasum combines 2^k workers; ``horovod`` and ``ddp_adasum`` take any).
+
+    Raises:
+        AmlUsageError: naming the fix.
+    """
+    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+        raise AmlUsageError(f"--local {np!r}: the process count must be a positive integer")
+    if job.strategy == "horovod_adasum" and not is_power_of_two(np):
+        raise AmlUsageError(
+            f"--local {np!r}: the process count must be a power of 2 (1, 2, 4, …) for Adasum with Horovod; "
+            "--strategy ddp_adasum takes any count"
+        )
+
+
 def local_command(
     job: AmlJob, np: int, data_dir, output_dir, batches: int, python: str | None = None
 ) -> list[str]:
-    """``horovodrun -np N -H localhost:N … python mnist.py <job args> <local overrides>``.
+    """The local run's command.
+
+    Horovod strategies: ``horovodrun -np N -H localhost:N … python mnist.py <job args> <local overrides>``.
+    ``ddp_adasum``: ``python mnist.py <job args> <local overrides> --trainer.devices=N
+    --trainer.num_nodes=1``, which each of the N processes runs (see :func:`pytorch_job_environment`).
 
     Raises:
-        AmlUsageError: ``np`` not a power of 2 (Adasum), or ``batches`` < 1.
+        AmlUsageError: see :func:`check_local_count`; ``batches`` < 1.
     """
-    if isinstance(np, bool) or not isinstance(np, int) or not is_power_of_two(np):
-        raise AmlUsageError(f"--local {np!r}: the process count must be a power of 2 (1, 2, 4, …) for Adasum")
+    check_local_count(job, np)
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         raise AmlUsageError(f"--local-batches {batches!r} must be a positive integer")
     python = python or sys.executable
+    if not job.is_mpi:
+        overrides = local_overrides(data_dir, output_dir, batches)
+        return [
+            *job.training_command(python=python),
+            *overrides,
+            f"--trainer.devices={np}",
+            "--trainer.num_nodes=1",
+        ]
     horovodrun = Path(python).with_name("horovodrun")
     if not horovodrun.exists():
         found = shutil.which("horovodrun")
@@ -65,6 +111,35 @@ def local_command(
     return launcher + command + local_overrides(data_dir, output_dir, batches)
 
 
+def pytorch_job_environment(np: int, rank: int, port: int) -> dict[str, str]:
+    """What an Azure ML PyTorch job sets in process ``rank`` of ``np`` on one node (``NODE_RANK`` 0), with
+    the rendezvous on this machine's ``port``."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(np),
+        "NODE_RANK": "0",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _without_other_launchers(env: Mapping[str, str]) -> dict[str, str]:
+    return {
+        key: value
+        for key, value in env.items()
+        if not key.startswith(_OTHER_LAUNCHER_PREFIXES)
+        and key not in _OTHER_LAUNCHER_NAMES
+        and key not in AML_PYTORCH_VARIABLES
+    }
+
+
 def run_local(
     job: AmlJob,
     np: int,
@@ -78,14 +153,16 @@ def run_local(
 
     Args:
         job: the job description (its training arguments and environment variables are used).
-        np: processes (power of 2); each trains ``batches`` batches of its shard on the CPU.
+        np: processes (a power of 2 for ``horovod_adasum``); each trains ``batches`` batches of its shard
+            on the CPU.
         work_dir: folder for the snapshot and Lightning's outputs (``work_dir/outputs``).
         data_dir: MNIST root, made absolute against the current directory.
         batches: training and validation batches per process.
         timeout: seconds before the run is stopped (``None``: no limit).
 
     Returns:
-        horovodrun's exit code (0 on success; 124 when ``timeout`` expired).
+        0 on success; else horovodrun's exit code, or for ``ddp_adasum`` the first failing process's (the
+        others are then stopped); 124 when ``timeout`` expired.
 
     Raises:
         AmlUsageError: see :func:`local_command`.
@@ -97,26 +174,74 @@ def run_local(
     env = dict(os.environ)
     env.update(job.environment_variables)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        # Open MPI refuses root without these (as in the Makefile).
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    print(f"[adasum-aml] local run in {code_dir}:\n  {shlex.join(command)}", file=sys.stderr, flush=True)
-    # Own process group: on timeout horovodrun and every MPI rank it started are stopped together.
-    proc = subprocess.Popen(command, cwd=code_dir, env=env, start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"[adasum-aml] local run stopped after {timeout:.0f} s", file=sys.stderr, flush=True)
-        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+    if job.is_mpi:
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            # Open MPI refuses root without these (as in the Makefile).
+            env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        print(f"[adasum-aml] local run in {code_dir}:\n  {shlex.join(command)}", file=sys.stderr, flush=True)
+        envs = [env]
+    else:
+        base = _without_other_launchers(env)
+        port = _free_port()
+        envs = [{**base, **pytorch_job_environment(np, rank, port)} for rank in range(np)]
+        print(
+            f"[adasum-aml] local run in {code_dir}: {np} processes started as an Azure ML PyTorch job starts "
+            f"them (MASTER_ADDR=127.0.0.1 MASTER_PORT={port} WORLD_SIZE={np} NODE_RANK=0, "
+            f"RANK=LOCAL_RANK=0…{np - 1}), each running:\n  {shlex.join(command)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return _run_processes(command, envs, cwd=code_dir, timeout=timeout)
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float = 10) -> None:
+    """SIGTERM the process group of every running process, SIGKILL what is left after ``grace`` s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [proc for proc in procs if proc.poll() is None]
+        for proc in alive:
             try:
                 os.killpg(proc.pid, sig)
-                proc.wait(timeout=grace)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        return 124
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()) if sig == signal.SIGTERM else None)
+            except subprocess.TimeoutExpired:
+                pass
+        if all(proc.poll() is not None for proc in procs):
+            return
+
+
+def _run_processes(
+    command: list[str], envs: Sequence[Mapping[str, str]], *, cwd: Path, timeout: float | None
+) -> int:
+    """Run ``command`` once per environment in ``envs``, each in its own process group (so that a
+    launcher and everything it started are stopped together). Returns 0 when all succeed, else the first
+    non-zero exit code seen (the others are stopped then), or 124 after ``timeout`` s."""
+    procs = [subprocess.Popen(command, cwd=cwd, env=dict(e), start_new_session=True) for e in envs]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            codes = [proc.poll() for proc in procs]
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed:
+                if len(procs) > 1 and any(code is None for code in codes):
+                    print(
+                        "[adasum-aml] a local process failed: stopping the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                _stop(procs)
+                return failed[0]
+            if all(code == 0 for code in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"[adasum-aml] local run stopped after {timeout:.0f} s", file=sys.stderr, flush=True)
+                _stop(procs)
+                return 124
+            time.sleep(0.2)
     except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
+        _stop(procs, grace=5)
         raise

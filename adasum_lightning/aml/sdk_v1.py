@@ -1,4 +1,5 @@
-"""SDK v1 backend (``azureml-core``): ``Environment`` + ``ScriptRunConfig`` with ``MpiConfiguration``.
+"""SDK v1 backend (``azureml-core``): ``Environment`` + ``ScriptRunConfig`` with ``MpiConfiguration`` (Horovod
+strategies) or ``PyTorchConfiguration`` (``ddp_adasum``).
 
 Install with ``pip install 'adasum-lightning[aml]'``. SDK v1 was deprecated on 2025-03-31 and its support
 ended on 2026-06-30; prefer :mod:`.sdk_v2`. Every function that builds objects works offline; only
@@ -13,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from adasum_lightning.aml.job import (
-    ENVIRONMENT_NAME,
     IDLE_SECONDS_BEFORE_SCALEDOWN,
     AmlJob,
     AmlSubmitError,
@@ -45,15 +45,30 @@ def build_environment(job: AmlJob, context_dir: Path, build_context=None):
 
     if build_context is None:
         build_context = DockerBuildContext(location=str(context_dir), dockerfile_path="Dockerfile")
-    env = Environment.from_docker_build_context(ENVIRONMENT_NAME, build_context)
+    env = Environment.from_docker_build_context(job.environment_name, build_context)
     env.python.user_managed_dependencies = True
     env.python.interpreter_path = IMAGE_PYTHON
     return env
 
 
+def build_distributed_job_config(job: AmlJob):
+    """``MpiConfiguration(process_count_per_node, node_count)`` for the Horovod strategies (Azure ML's
+    ``mpirun``); ``PyTorchConfiguration(process_count=nodes × per node, node_count=nodes)`` with the NCCL
+    backend for ``ddp_adasum`` (Azure ML starts the processes and sets the ``torch.distributed`` variables,
+    see :data:`.job.AML_PYTORCH_VARIABLES`; ``process_count`` is the job's total, not per node)."""
+    from azureml.core.runconfig import MpiConfiguration, PyTorchConfiguration
+
+    if job.is_mpi:
+        return MpiConfiguration(process_count_per_node=job.process_count_per_node, node_count=job.node_count)
+    return PyTorchConfiguration(
+        communication_backend="Nccl", process_count=job.world_size, node_count=job.node_count
+    )
+
+
 def build_script_run_config(job: AmlJob, code_dir: Path, environment):
     """The job as an ``azureml.core.ScriptRunConfig``: ``job.node_count`` nodes ×
-    ``job.process_count_per_node`` MPI processes on the cluster ``job.compute_name``.
+    ``job.process_count_per_node`` processes on the cluster ``job.compute_name``
+    (:func:`build_distributed_job_config`).
 
     Args:
         job: the job description.
@@ -61,7 +76,7 @@ def build_script_run_config(job: AmlJob, code_dir: Path, environment):
         environment: from :func:`build_environment`.
     """
     from azureml.core import ScriptRunConfig
-    from azureml.core.runconfig import DockerConfiguration, MpiConfiguration
+    from azureml.core.runconfig import DockerConfiguration
 
     command = job.training_command()
     src = ScriptRunConfig(
@@ -70,9 +85,7 @@ def build_script_run_config(job: AmlJob, code_dir: Path, environment):
         arguments=command[2:],
         compute_target=job.compute_name,
         environment=environment,
-        distributed_job_config=MpiConfiguration(
-            process_count_per_node=job.process_count_per_node, node_count=job.node_count
-        ),
+        distributed_job_config=build_distributed_job_config(job),
         docker_runtime_config=DockerConfiguration(use_docker=True, shm_size=SHM_SIZE),
     )
     src.run_config.environment_variables = dict(job.environment_variables)

@@ -1,4 +1,5 @@
-"""SDK v2 backend (``azure-ai-ml`` + ``azure-identity``): ``command(...)`` with ``MpiDistribution``.
+"""SDK v2 backend (``azure-ai-ml`` + ``azure-identity``): ``command(...)`` with ``MpiDistribution`` (Horovod
+strategies) or ``PyTorchDistribution`` (``ddp_adasum``).
 
 Install with ``pip install 'adasum-lightning[aml-v2]'``. Building the job works offline; only
 :func:`connect`, :func:`get_or_create_cluster` and :func:`submit` talk to Azure.
@@ -10,7 +11,6 @@ import io
 from collections.abc import Callable
 
 from adasum_lightning.aml.job import (
-    ENVIRONMENT_NAME,
     IDLE_SECONDS_BEFORE_SCALEDOWN,
     AmlJob,
     AmlSubmitError,
@@ -20,6 +20,7 @@ from adasum_lightning.aml.staging import StagedJob
 from adasum_lightning.aml.workspace import WorkspaceConfig, check_network, redact
 
 SHM_SIZE = "16g"
+_DISPLAY_NAMES = {"horovod_adasum": "adasum", "horovod": "horovod", "ddp_adasum": "ddp-adasum"}
 
 
 def build_environment(job: AmlJob, staged: StagedJob):
@@ -27,20 +28,34 @@ def build_environment(job: AmlJob, staged: StagedJob):
     context (uploaded with the job)."""
     from azure.ai.ml.entities import BuildContext, Environment
 
-    return Environment(
-        name=ENVIRONMENT_NAME,
-        description=(
+    if job.is_mpi:
+        description = (
             f"OpenMPI + CUDA ({job.base_image}), torch, Horovod with NCCL (patches/build_horovod.sh --gpu)"
-        ),
+        )
+    else:
+        description = f"CUDA runtime ({job.base_image}), torch with NCCL; no MPI, no Horovod (ddp_adasum)"
+    return Environment(
+        name=job.environment_name,
+        description=description,
         build=BuildContext(path=str(staged.context_dir), dockerfile_path="Dockerfile"),
     )
 
 
+def build_distribution(job: AmlJob):
+    """``MpiDistribution`` (Azure ML's ``mpirun``) for the Horovod strategies; ``PyTorchDistribution`` for
+    ``ddp_adasum`` (Azure ML starts the processes and sets the ``torch.distributed`` variables, see
+    :data:`.job.AML_PYTORCH_VARIABLES`). Both with ``job.process_count_per_node`` processes per instance."""
+    from azure.ai.ml import MpiDistribution, PyTorchDistribution
+
+    kind = MpiDistribution if job.is_mpi else PyTorchDistribution
+    return kind(process_count_per_instance=job.process_count_per_node)
+
+
 def build(job: AmlJob, staged: StagedJob):
     """The job as an ``azure.ai.ml.entities.CommandJob`` made by ``azure.ai.ml.command``:
-    ``job.node_count`` instances × ``MpiDistribution(process_count_per_instance=job.process_count_per_node)``
-    on the cluster ``job.compute_name``, code = the staged snapshot."""
-    from azure.ai.ml import MpiDistribution, command
+    ``job.node_count`` instances × :func:`build_distribution` on the cluster ``job.compute_name``, code = the
+    staged snapshot."""
+    from azure.ai.ml import command
 
     node = command(
         code=str(staged.code_dir),
@@ -49,11 +64,11 @@ def build(job: AmlJob, staged: StagedJob):
         environment_variables=dict(job.environment_variables),
         compute=job.compute_name,
         instance_count=job.node_count,
-        distribution=MpiDistribution(process_count_per_instance=job.process_count_per_node),
+        distribution=build_distribution(job),
         shm_size=SHM_SIZE,
         experiment_name=job.experiment_name,
-        display_name=f"mnist-adasum-{job.node_count}x{job.process_count_per_node}",
-        tags={"vm_size": job.vm_size, "world_size": str(job.world_size)},
+        display_name=f"mnist-{_DISPLAY_NAMES[job.strategy]}-{job.node_count}x{job.process_count_per_node}",
+        tags={"vm_size": job.vm_size, "world_size": str(job.world_size), "strategy": job.strategy},
     )
     # The standalone job (not the pipeline-node form of the builder): what jobs.create_or_update submits.
     return node._to_job()

@@ -3,9 +3,11 @@
 Both backends upload these folders (SDK v1 at ``Experiment.submit`` / ``DockerBuildContext``, SDK v2 at
 ``jobs.create_or_update``); ``--dry-run`` shows their local paths and ``--local`` runs the snapshot.
 
-- build context: ``Dockerfile`` (from ``Dockerfile.in``), ``requirements.txt`` and ``patches/`` (this
-  repository's ``patches/build_horovod.sh`` and Horovod patch, copied in; Horovod's own code is never
-  copied: the script downloads its source distribution while the image is built).
+- build context: ``Dockerfile`` and ``requirements.txt``. For the Horovod strategies (MPI jobs) the
+  Dockerfile comes from ``Dockerfile.in`` and the context also holds ``patches/`` (this repository's
+  ``patches/build_horovod.sh`` and Horovod patch, copied in; Horovod's own code is never copied: the script
+  downloads its source distribution while the image is built). For ``ddp_adasum`` (PyTorch jobs) it comes
+  from ``Dockerfile.ddp.in``: a CUDA runtime image with torch and the requirements, no MPI, no Horovod.
 - code snapshot: ``mnist.py`` (``examples/mnist.py``) next to the ``adasum_lightning`` package, so the
   job's ``python mnist.py`` imports the same package version as the one that submitted it.
 """
@@ -28,12 +30,16 @@ TORCHVISION_VERSION = "0.29.1"
 CUDA_CC_LIST = "75,80,86,89,90"
 #: Extra packages of the job image besides the project's own requirements.
 IMAGE_EXTRA_REQUIREMENTS = ("azureml-mlflow",)
+#: The project's extras the training script needs (``examples``: torchvision, jsonargparse for LightningCLI).
+IMAGE_EXTRAS = ("examples",)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = PACKAGE_DIR.parent
 PATCHES_DIR = REPO_ROOT / "patches"
 EXAMPLE_SCRIPT = REPO_ROOT / "examples" / "mnist.py"
 DOCKERFILE_TEMPLATE = Path(__file__).resolve().with_name("Dockerfile.in")
+#: The image of ``ddp_adasum`` jobs (no MPI, no Horovod).
+DDP_DOCKERFILE_TEMPLATE = Path(__file__).resolve().with_name("Dockerfile.ddp.in")
 
 
 @dataclass(frozen=True)
@@ -50,22 +56,31 @@ class StagedJob:
 
 
 def image_requirements() -> list[str]:
-    """The project's install requirements minus torch/torchvision (installed first, pinned) and extras,
-    plus :data:`IMAGE_EXTRA_REQUIREMENTS`, as requirement strings."""
+    """The project's install requirements and those of :data:`IMAGE_EXTRAS` (markers dropped), minus
+    torch/torchvision (installed first, pinned), plus :data:`IMAGE_EXTRA_REQUIREMENTS`, as requirement
+    strings."""
     reqs = []
     for line in importlib.metadata.requires("adasum-lightning") or []:
         req = Requirement(line)
         if req.marker is not None and "extra" in str(req.marker):
-            continue
+            if not any(req.marker.evaluate({"extra": extra}) for extra in IMAGE_EXTRAS):
+                continue
+            req.marker = None  # other markers stay: pip evaluates them in the image
         if req.name.lower() in ("torch", "torchvision"):
             continue
-        reqs.append(str(req))
+        if str(req) not in reqs:
+            reqs.append(str(req))
     return reqs + list(IMAGE_EXTRA_REQUIREMENTS)
 
 
+def dockerfile_template(job: AmlJob) -> Path:
+    """``Dockerfile.in`` (Open MPI + Horovod) for MPI jobs, ``Dockerfile.ddp.in`` for ``ddp_adasum``."""
+    return DOCKERFILE_TEMPLATE if job.is_mpi else DDP_DOCKERFILE_TEMPLATE
+
+
 def render_dockerfile(job: AmlJob) -> str:
-    """The job image's Dockerfile text for ``job.base_image``."""
-    text = DOCKERFILE_TEMPLATE.read_text(encoding="utf-8")
+    """The job image's Dockerfile text for ``job.strategy`` and ``job.base_image``."""
+    text = dockerfile_template(job).read_text(encoding="utf-8")
     for key, value in {
         "BASE_IMAGE": job.base_image,
         "TORCH_VERSION": TORCH_VERSION,
@@ -89,18 +104,21 @@ def stage_build_context(job: AmlJob, dest: Path) -> Path:
     """Write the Docker build context into ``dest`` (created) and return it.
 
     Raises:
-        AmlUsageError: the repository's ``patches/`` folder (build script and patch) is not found.
+        AmlUsageError: for an MPI job, the repository's ``patches/`` folder (build script and patch) is not
+            found.
     """
-    script = _require(PATCHES_DIR / "build_horovod.sh", "the Horovod build script")
-    patches = sorted(PATCHES_DIR.glob("horovod-*.patch"))
-    if not patches:
-        _require(PATCHES_DIR / "horovod-<version>-torch2.patch", "the Horovod patch")
+    if job.is_mpi:
+        script = _require(PATCHES_DIR / "build_horovod.sh", "the Horovod build script")
+        patches = sorted(PATCHES_DIR.glob("horovod-*.patch"))
+        if not patches:
+            _require(PATCHES_DIR / "horovod-<version>-torch2.patch", "the Horovod patch")
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "Dockerfile").write_text(render_dockerfile(job), encoding="utf-8")
     (dest / "requirements.txt").write_text("\n".join(image_requirements()) + "\n", encoding="utf-8")
-    (dest / "patches").mkdir(exist_ok=True)
-    for src in (script, *patches):
-        shutil.copy2(src, dest / "patches" / src.name)
+    if job.is_mpi:
+        (dest / "patches").mkdir(exist_ok=True)
+        for src in (script, *patches):
+            shutil.copy2(src, dest / "patches" / src.name)
     return dest
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "check_closure_optimizers",
     "check_horovod_dtypes",
     "check_sync_batchnorm",
+    "check_trainer_world_size",
     "unreadable_checkpoint",
     "CHECKPOINT_READ_ERRORS",
 ]
@@ -344,6 +345,25 @@ def check_sync_batchnorm(device_type: str, requested: bool, sync_layers: Sequenc
             "Train on GPUs (accelerator='gpu') to synchronise the statistics, or leave sync_batchnorm off "
             "and keep plain BatchNorm: then each rank keeps its own running statistics (checkpoints hold "
             "rank 0's)."
+        )
+
+
+def check_trainer_world_size(launcher_world_size: int, devices: int, num_nodes: int) -> None:
+    """The processes a launcher started must be the ``Trainer``'s ``devices × num_nodes``.
+
+    Under Lightning's generic cluster environment (Azure ML PyTorch jobs, a hand-set ``MASTER_ADDR``/
+    ``NODE_RANK``/``LOCAL_RANK``) Lightning computes each rank as ``node_rank × devices + local_rank`` and the
+    world size as ``devices × num_nodes``, and does not compare them with the launcher's ``WORLD_SIZE``: a
+    mismatch gives duplicate ranks or a rendezvous that waits forever.
+
+    Raises:
+        AdasumConfigurationError: ``launcher_world_size`` ≠ ``devices × num_nodes``; the message names both.
+    """
+    if launcher_world_size != devices * num_nodes:
+        raise AdasumConfigurationError(
+            f"the launcher started {launcher_world_size} processes (WORLD_SIZE={launcher_world_size}), but "
+            f"the Trainer describes devices={devices} × num_nodes={num_nodes} = {devices * num_nodes}. Set "
+            "Trainer(devices=<processes per node>, num_nodes=<nodes>) to match the launch."
         )
 
 

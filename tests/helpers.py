@@ -6,8 +6,10 @@ root, so that they import ``tests.workers.tiny`` and the project like the tests 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -61,11 +63,7 @@ def run_horovod(
     """
     target = [str(script)] if os.sep in str(script) else ["-m", f"tests.workers.{script}"]
     cmd = horovodrun_cmd(np, gloo=gloo) + [sys.executable, *target, *args]
-    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        output = (proc.stdout + proc.stderr)[-6000:]
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- output (end)\n{output}")
-    return proc
+    return run_job(cmd, mpi_env(), timeout, check)
 
 
 def load_ranks(out: Path, np: int) -> list[dict]:
@@ -127,7 +125,7 @@ def run_lightning(
 ) -> subprocess.CompletedProcess:
     """Run a worker with ``--devices np`` as a plain process: Lightning starts the other processes."""
     cmd = [sys.executable, "-m", f"tests.workers.{worker}", *args, "--devices", str(np)]
-    return _run(cmd, plain_env(), timeout, check)
+    return run_job(cmd, plain_env(), timeout, check)
 
 
 def plain_env() -> dict[str, str]:
@@ -142,12 +140,49 @@ def run_torchrun(
     """Run a worker under ``torchrun --standalone --nproc-per-node np`` (one device per process)."""
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(np), "-m",
            f"tests.workers.{worker}", *args]  # fmt: skip
-    return _run(cmd, mpi_env(), timeout, check)
+    return run_job(cmd, mpi_env(), timeout, check)
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: float, check: bool) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run_job(
+    cmd: list[str], env: dict[str, str], timeout: float, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run a launcher command in a session of its own, from the checkout; returns the result.
+
+    On a timeout every process of that session is killed — also ranks that a launcher put in process groups
+    of their own (``mpirun`` does) — and the test fails with the output's end. With ``check`` a non-zero exit
+    fails the test too.
+    """
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"{' '.join(cmd)} timed out after {timeout} s\n--- output (end)\n{(stdout + stderr)[-6000:]}"
+        )
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and proc.returncode != 0:
-        output = (proc.stdout + proc.stderr)[-6000:]
+        output = (stdout + stderr)[-6000:]
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- output (end)\n{output}")
-    return proc
+    return result
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL every process whose session id is ``session``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:  # state, ppid, pgrp, session
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signal.SIGKILL)

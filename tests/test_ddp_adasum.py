@@ -6,6 +6,9 @@ checks every rank against a reference computed here in one process.
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from adasum_lightning.ops import adasum, adasum_reduce
-from tests.helpers import assert_ranks_identical, load_ranks, run_horovod, run_lightning, run_torchrun
+from adasum_lightning.validation import check_trainer_world_size
+from tests.helpers import (
+    ROOT,
+    assert_ranks_identical,
+    expected_message,
+    load_ranks,
+    plain_env,
+    run_horovod,
+    run_lightning,
+    run_torchrun,
+)
 from tests.workers.tiny import tiny_net
 
 pytestmark = pytest.mark.mpi
@@ -215,3 +228,27 @@ def test_a_killed_rank_ends_the_job_quickly(tmp_path):
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert elapsed < 60, elapsed
     assert not list(tmp_path.glob("rank*.pt"))
+
+
+def test_a_world_size_that_the_trainer_does_not_describe_is_refused(tmp_path):
+    # Two processes started as an Azure ML PyTorch job starts them (MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK,
+    # RANK, LOCAL_RANK; no torchrun), but each Trainer says devices=1: Lightning would make both rank 0.
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(plain_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                   RANK=str(rank), LOCAL_RANK=str(rank))  # fmt: skip
+        cmd = [sys.executable, "-m", "tests.workers.fit", str(tmp_path), "--strategy", "ddp_adasum"]
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, **out))
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    message = expected_message(check_trainer_world_size, 2, 1, 1)
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode != 0
+        assert f"AdasumConfigurationError on rank {rank}: {message}" in out, out[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

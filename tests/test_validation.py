@@ -6,16 +6,22 @@ import sys
 import pytest
 import torch
 
+from adasum_lightning.launchers import SeenLauncher, seen_launcher
 from adasum_lightning.ops import is_power_of_two
 from adasum_lightning.validation import (
     AdasumConfigurationError,
+    check_closure_optimizers,
     check_controller,
     check_cpu_operations,
     check_gradient_clipping,
     check_gradient_predivide_factor,
+    check_horovod_dtypes,
+    check_launch,
     check_nccl_topology,
     check_precision,
     check_single_device,
+    check_sync_batchnorm,
+    check_trainer_world_size,
     check_world_size,
     nearest_powers_of_two,
 )
@@ -217,3 +223,59 @@ def test_checkpoint_without_state_dict_is_refused(tmp_path):
         pl.Trainer(strategy="horovod_adasum", accelerator="cpu", logger=False, enable_progress_bar=False).fit(
             TinyModule(), ckpt_path=str(other)
         )
+
+
+# ---------------------------------------------------------------- launch and step rules (issues E and F)
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, None),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, ("mpirun / horovodrun (Open MPI)", 4, True)),
+        ({"HOROVOD_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"}, ("horovodrun --gloo", 2, True)),
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1"}, ("torchrun", 2, False)),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8"}, ("srun (SLURM)", 8, False)),
+        ({"SLURM_NTASKS": "8"}, None),  # an sbatch script itself, not a step: nothing was launched
+        ({"WORLD_SIZE": "3", "LOCAL_RANK": "0"}, ("a torch.distributed launcher", 3, False)),
+    ],
+)
+def test_seen_launcher(environ, expected):
+    seen = seen_launcher(environ)
+    if expected is None:
+        assert seen is None
+    else:
+        assert (seen.name.split(" (Lightning")[0], seen.processes, seen.horovod) == expected
+
+
+def test_launch_rule_names_the_launcher_and_horovodrun():
+    check_launch(4, SeenLauncher("mpirun / horovodrun (Open MPI)", 4, "OMPI_COMM_WORLD_SIZE", True), 1)
+    check_launch(1, None, 1)  # a plain one-process run
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_launch(1, SeenLauncher("torchrun", 3, "WORLD_SIZE", False), 1)
+    message = str(info.value)
+    assert message.startswith("torchrun started 3 processes (WORLD_SIZE=3), but Horovod sees a world of 1")
+    assert "`horovodrun -np 3 python SCRIPT ...`" in message and "strategy='ddp_adasum'" in message
+    with pytest.raises(
+        AdasumConfigurationError, match=r"Trainer\(devices=4\) asks for 4 devices.*horovodrun -np 4"
+    ):
+        check_launch(1, None, 4)
+
+
+def test_closure_dtype_batchnorm_and_world_size_rules():
+    check_closure_optimizers("horovod_adasum", [])
+    with pytest.raises(
+        AdasumConfigurationError, match=r"horovod_adasum cannot use LBFGS: its step\(\) needs a closure"
+    ):
+        check_closure_optimizers("horovod_adasum", ["LBFGS", "LBFGS"])
+    check_horovod_dtypes("horovod", "cpu", {torch.float32, torch.float16})
+    check_horovod_dtypes("horovod", "cuda", {torch.bfloat16})  # not checked on GPU
+    with pytest.raises(AdasumConfigurationError, match="horovod cannot reduce bfloat16 parameters on CPU"):
+        check_horovod_dtypes("horovod", "cpu", {torch.bfloat16})
+    check_sync_batchnorm("cuda", True, ["bn"])
+    check_sync_batchnorm("cpu", False, [])
+    with pytest.raises(AdasumConfigurationError, match=r"SyncBatchNorm layers \(bn, head.bn\) on CPU"):
+        check_sync_batchnorm("cpu", False, ["bn", "head.bn"])
+    check_trainer_world_size(8, 4, 2)
+    with pytest.raises(
+        AdasumConfigurationError, match=r"WORLD_SIZE=8\), but the Trainer describes devices=4 × num_nodes=1"
+    ):
+        check_trainer_world_size(8, 4, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -15,9 +16,10 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from adasum_lightning import validation
 from adasum_lightning.allreduce import adasum_allreduce
 
-from ._base import UnwrappedDDPStrategy
+from ._base import UnwrappedDDPStrategy, reported_on_every_rank
 
 __all__ = ["DDPAdasumStrategy"]
 
@@ -90,6 +92,18 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
         )
 
     # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def setup_environment(self) -> None:
+        environment = self.cluster_environment
+        launched_outside = environment is not None and environment.creates_processes_externally
+        if launched_outside and os.environ.get("WORLD_SIZE", "").isdigit():
+            with reported_on_every_rank(self.global_rank):
+                # before the rendezvous, which a mismatch would leave waiting
+                validation.check_trainer_world_size(
+                    int(os.environ["WORLD_SIZE"]), self.num_processes, self.num_nodes
+                )
+        super().setup_environment()
+
     @override
     def _describe_reduction(self) -> str:
         return f"Adasum of parameter deltas over {self.process_group_backend}"

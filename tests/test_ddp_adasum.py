@@ -93,7 +93,7 @@ def test_lightning_launches_the_processes_and_ranks_stay_identical(np, tmp_path)
 
 
 def test_torchrun_launches_the_processes(tmp_path):
-    run_torchrun(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1")
+    run_torchrun(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1", "--devices", "2")
     ranks = load_ranks(tmp_path, 2)
     assert all(res["world_size"] == 2 and res["global_step"] == 8 for res in ranks)
     assert_ranks_identical(ranks)

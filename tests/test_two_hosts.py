@@ -138,6 +138,28 @@ def test_horovod_adasum_across_two_hosts(even):
     assert [float(row["val_acc"]) for row in rows if row["val_acc"]] == [pytest.approx(ranks[0]["val_acc"])]
 
 
+def test_a_loopback_master_addr_is_refused_on_every_rank(two_hosts, tmp_path, mnist_root):
+    """``MASTER_ADDR=127.0.0.1`` exported to a job across two hosts: hostB could not reach rank 0's process
+    group there (before this check the job hung at the rendezvous). Every rank says so, before any step."""
+    if mnist_root is None:
+        pytest.skip("MNIST is not available (no shared copy, no network)")
+    hosts = two_hosts
+    env = hosts.env(MASTER_ADDR="127.0.0.1")
+    worker = [*FIT_WORKER, str(tmp_path), *example_args(tmp_path, mnist_root, *SHORT_FIT)]
+    cmd = hosts.mpirun_cmd(4, export=("PYTHONPATH", "MASTER_ADDR"))
+    start = time.monotonic()
+    proc = hosts.run("hostA", *cmd, *worker, env=env, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    out = re.sub(r"\[1,\d\]<std(?:out|err)>:", "", proc.stdout + proc.stderr)
+    message = (
+        "this job spans several hosts, but MASTER_ADDR=127.0.0.1 is a loopback address, which the other "
+        "hosts cannot reach. Unset MASTER_ADDR, or set it to an address of rank 0's host"
+    )
+    for r in range(4):
+        assert f"AdasumConfigurationError on rank {r}: {message}" in out, out[-3000:]
+    assert not list(tmp_path.glob("step-rank*"))  # no training step ran
+
+
 def test_uneven_placement_trains_identically(uneven):
     """``-H hostA:1,hostB:3`` under plain mpirun: local sizes 1 and 3; Horovod's cross communicators then
     group ranks by local rank, so the cross ranks are 0, 1, 0, 0 with sizes 2, 2, 1, 1 (not a node index);

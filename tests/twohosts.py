@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, TORCH_DISTRIBUTED_VARIABLES
 
 HOSTS = ("hostA", "hostB")
 ADDRESSES = {"hostA": "10.77.0.1", "hostB": "10.77.0.2"}
@@ -234,8 +234,9 @@ class TwoHosts:
 
     def env(self, **extra: str) -> dict[str, str]:
         """This environment plus: the fake ``ssh`` and the venv's launchers first on ``PATH``, Open MPI
-        allowed as root, one thread per process, this checkout on ``PYTHONPATH``."""
-        env = dict(os.environ)
+        allowed as root, one thread per process, this checkout on ``PYTHONPATH`` — without torch.distributed's
+        rendezvous variables that in-process fits of the test session left behind (see ``tests.helpers``)."""
+        env = {k: v for k, v in os.environ.items() if k not in TORCH_DISTRIBUTED_VARIABLES}
         python_path = [str(ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
         env.update(
             PATH=os.pathsep.join([str(self.bin), str(BIN), env.get("PATH", LOGIN_PATH)]),

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
-from adasum_lightning.allreduce import adasum_allreduce
+from adasum_lightning.allreduce import adasum_allreduce, release_workspace
 
 from ._base import UnwrappedDDPStrategy, reported_on_every_rank
 
@@ -136,3 +136,9 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
                 delta.add_(start)
         self._deliver_pending_sigterm()
         return output
+
+    # ------------------------------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        release_workspace()  # the reduction's buffers, kept between steps
+        super().teardown()

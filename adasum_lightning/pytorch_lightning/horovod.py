@@ -195,8 +195,9 @@ class HorovodStrategy(UnwrappedDDPStrategy):
         them. Also sets each rank's node rank (its host's index among the job's hosts).
 
         Raises:
-            RuntimeError: on every rank, when the job spans several hosts and rank 0's host name resolves to
-                a loopback address (the other hosts could not reach it); the message names ``MASTER_ADDR``.
+            AdasumConfigurationError: on every rank, when the job spans several hosts and the address would be
+                a loopback one (``MASTER_ADDR`` set so, or rank 0's host name resolving so): the other hosts
+                could not reach it. The message names ``MASTER_ADDR``.
         """
         hvd = self.hvd
         proposal = _process_group_address(hvd.size() == hvd.local_size()) if hvd.rank() == 0 else None
@@ -204,7 +205,8 @@ class HorovodStrategy(UnwrappedDDPStrategy):
             proposal, root_rank=0, name="adasum_lightning.pg_address"
         )
         if problem:
-            raise RuntimeError(problem)
+            with reported_on_every_rank(hvd.rank()):
+                raise validation.AdasumConfigurationError(problem)
         environment = self.cluster_environment
         assert isinstance(environment, HorovodEnvironment)
         environment.set_main_address_and_port(address, port)
@@ -451,20 +453,23 @@ def _clamp_on_last_pass(optimizer: Optimizer, clip_value: float, param: Tensor) 
 def _process_group_address(single_host: bool) -> tuple[str | None, int | None, str | None]:
     """On rank 0: (address, port, problem) of the process group beside Horovod (see HorovodStrategy)."""
     port = int(os.environ.get("MASTER_PORT") or _free_port())
-    if os.environ.get("MASTER_ADDR"):
-        return os.environ["MASTER_ADDR"], port, None
+    given = os.environ.get("MASTER_ADDR")
     if single_host:
-        return "127.0.0.1", port, None
-    address = socket.gethostbyname(socket.gethostname())
-    if not address.startswith("127."):
+        return given or "127.0.0.1", port, None
+    address = given or socket.gethostbyname(socket.gethostname())
+    if not socket.gethostbyname(address).startswith("127."):
         return address, port, None
+    where = (
+        f"MASTER_ADDR={given} is a loopback address"
+        if given
+        else f"rank 0's host name {socket.gethostname()!r} resolves to the loopback address {address}"
+    )
+    fix = "Unset MASTER_ADDR, or set it" if given else "Set MASTER_ADDR"
     return (
         None,
         None,
-        f"this job spans several hosts, but rank 0's host name {socket.gethostname()!r} resolves to the "
-        f"loopback address {address}, which the other hosts cannot reach. Set MASTER_ADDR to an address of "
-        "rank 0's host "
-        "that every host can reach (e.g. `mpirun -x MASTER_ADDR=10.0.0.4 ...`).",
+        f"this job spans several hosts, but {where}, which the other hosts cannot reach. {fix} to an "
+        "address of rank 0's host that every host can reach (e.g. `mpirun -x MASTER_ADDR=10.0.0.4 ...`).",
     )
 
 

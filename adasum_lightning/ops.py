@@ -5,7 +5,9 @@ the real collective against it and the scaling simulator can use it without proc
 
 Sources: Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021 (the
 operator); Horovod 0.28.1 ``horovod/common/ops/adasum/adasum.h`` (float64 accumulation, the
-``sqrt(DBL_MIN)`` guard, and the recursive vector-halving / distance-doubling pairing).
+``sqrt(DBL_MIN)`` guard, and the recursive vector-halving / distance-doubling pairing). For rank counts
+that are not powers of 2 (which Horovod refuses) :func:`adasum_reduce` follows the order of
+:func:`adasum_lightning.allreduce.adasum_allreduce`.
 """
 
 from __future__ import annotations
@@ -62,11 +64,18 @@ def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def adasum_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Adasum over ``2**k`` workers' tensors, paired the way Horovod's MPI allreduce pairs ranks.
+    """Adasum over ``N ≥ 1`` workers' tensors, in the order of the distributed allreduces.
 
-    Horovod's recursive vector-halving / distance-doubling exchange combines rank ``r`` with rank
-    ``r XOR d`` at distances ``d = 1, 2, 4, …``; its result equals combining neighbours first:
-    ``adasum(adasum(x0, x1), adasum(x2, x3))`` for four ranks. Every rank receives this one result.
+    For ``N = 2**k`` this is Horovod's order: its recursive vector-halving / distance-doubling exchange
+    combines rank ``r`` with rank ``r XOR d`` at distances ``d = 1, 2, 4, …``, and the result equals
+    combining neighbours first: ``adasum(adasum(x0, x1), adasum(x2, x3))`` for four ranks.
+
+    For other ``N`` (Horovod refuses those; :func:`adasum_lightning.allreduce.adasum_allreduce` defines
+    this order), with ``P`` the largest power of 2 ≤ ``N``: first every rank ``r ≥ P`` is folded into
+    rank ``r - P``, ``x[r - P] := adasum(x[r - P], x[r])``; then ``x[0 … P-1]`` are reduced as above.
+    Three ranks: ``adasum(adasum(x0, x2), x1)``; five:
+    ``adasum(adasum(adasum(x0, x4), x1), adasum(x2, x3))``; six:
+    ``adasum(adasum(adasum(x0, x4), adasum(x1, x5)), adasum(x2, x3))``. Every rank receives this result.
 
     Args:
         tensors: one tensor per rank, in rank order; all of one shape and floating dtype.
@@ -75,11 +84,16 @@ def adasum_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         The reduced tensor (shape and dtype of the inputs).
 
     Raises:
-        ValueError: if the count is not a power of 2 (Horovod's CPU Adasum refuses those too).
+        ValueError: if no tensor is given (or from :func:`adasum` for mismatched shapes or a non-floating
+            dtype).
     """
     items = list(tensors)
-    if not is_power_of_two(len(items)):
-        raise ValueError(f"adasum_reduce needs a power-of-2 number of tensors (1, 2, 4, …), got {len(items)}")
+    if not items:
+        raise ValueError("adasum_reduce needs at least one tensor, got none")
+    p = 1 << (len(items).bit_length() - 1)  # largest power of 2 <= len(items)
+    for r in range(p, len(items)):
+        items[r - p] = adasum(items[r - p], items[r])
+    items = items[:p]
     while len(items) > 1:
         items = [adasum(items[i], items[i + 1]) for i in range(0, len(items), 2)]
     return items[0]

@@ -52,10 +52,28 @@ def test_reduce_pairs_neighbours_first_like_horovod():
     assert torch.equal(adasum_reduce(xs[:1]), xs[0])
 
 
-@pytest.mark.parametrize("n", [0, 3, 5, 6, 12])
-def test_reduce_refuses_non_power_of_two(n):
-    with pytest.raises(ValueError, match="power-of-2"):
-        adasum_reduce([torch.ones(2)] * n)
+def test_reduce_non_power_of_two_folds_the_extra_ranks_first():
+    gen = torch.Generator().manual_seed(5)
+    x = [torch.randn(10, generator=gen, dtype=torch.float64) for _ in range(12)]
+    # P = largest power of 2 ≤ N; x[r - P] := adasum(x[r - P], x[r]) for r ≥ P, then Horovod's pairing
+    assert torch.equal(adasum_reduce(x[:3]), adasum(adasum(x[0], x[2]), x[1]))
+    assert torch.equal(adasum_reduce(x[:5]), adasum(adasum(adasum(x[0], x[4]), x[1]), adasum(x[2], x[3])))
+    assert torch.equal(
+        adasum_reduce(x[:6]), adasum(adasum(adasum(x[0], x[4]), adasum(x[1], x[5])), adasum(x[2], x[3]))
+    )
+    assert torch.equal(
+        adasum_reduce(x[:7]),
+        adasum(adasum(adasum(x[0], x[4]), adasum(x[1], x[5])), adasum(adasum(x[2], x[6]), x[3])),
+    )
+    folded = [adasum(x[r], x[r + 8]) for r in range(4)] + x[4:8]
+    assert torch.equal(adasum_reduce(x[:12]), adasum_reduce(folded))
+    # the fold is not a reordering of the power-of-2 tree: N = 3 differs from pairing 0 with 1 first
+    assert not torch.allclose(adasum_reduce(x[:3]), adasum(adasum(x[0], x[1]), x[2]))
+
+
+def test_reduce_needs_a_tensor():
+    with pytest.raises(ValueError, match="at least one"):
+        adasum_reduce([])
 
 
 def test_bad_inputs_raise():

@@ -1,0 +1,386 @@
+"""Adasum allreduce on ``torch.distributed`` point-to-point operations (no Horovod, no Lightning).
+
+:func:`adasum_allreduce` performs the reduction Horovod 0.28.1's MPI Adasum allreduce performs
+(``horovod/common/ops/adasum/adasum.h``, ``adasum_mpi.cc``), with ``torch.distributed.batch_isend_irecv``
+as the transport: Gloo for CPU tensors, NCCL (or any backend with point-to-point support) for others.
+
+Algorithm, per flat bucket of same-dtype, same-device tensors (tensor boundaries kept):
+
+1. Ranks ``P … N-1`` (``P`` the largest power of 2 ≤ ``N``) send their bucket to rank ``r - P``, which
+   folds it in: ``x[r-P] := adasum(x[r-P], x[r])`` per tensor, on full vectors (no Horovod counterpart;
+   Horovod refuses non-powers of 2).
+2. Vector halving / distance doubling over ranks ``0 … P-1``: at levels ``d = 1, 2, 4, …`` rank ``q``
+   pairs with ``q XOR d``; its current segment of ``n`` elements is split at ``n >> 1``, the rank whose
+   bit ``d`` is clear keeps the first part, and the two ranks swap the parts they give away. On its kept
+   part each rank computes per tensor ``a·b``, ``‖a‖²``, ``‖b‖²`` in float64 (``a`` its own data, ``b``
+   the neighbour's), sums these over the ``2·d`` ranks that share the segment, and sets
+   ``a := acoeff·a + bcoeff·b`` with Horovod's coefficients (below).
+3. Distance halving back (``d = P/2 … 1``): the pairs swap their segments until every rank of
+   ``0 … P-1`` holds the whole result; then ranks ``r - P`` send it to ranks ``r``.
+
+The result is :func:`adasum_lightning.ops.adasum_reduce` of the ranks' tensors (same pairing order);
+float32 results match Horovod's own Adasum allreduce to ≤ 1 ulp.
+
+Coefficients (Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021;
+Horovod ``adasum.h``): with ``L``, ``R`` the data of the lower and the upper half of the ranks sharing
+a segment, ``cL = 1 - (L·R) / ‖L‖² · 0.5`` and ``cR = 1 - (L·R) / ‖R‖² · 0.5``, evaluated in float64
+exactly in this order; a squared norm below ``sqrt(DBL_MIN)`` (:data:`~adasum_lightning.ops.ADASUM_NORM_EPS`)
+forces its coefficient to 1. The combination is computed in float64 and rounded once to the tensor's
+dtype, like Horovod's ``ScaledAdd``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from adasum_lightning.ops import ADASUM_NORM_EPS, is_power_of_two
+
+__all__ = ["adasum_allreduce"]
+
+#: Dtypes :func:`adasum_allreduce` reduces (Horovod's CPU Adasum has no bfloat16; this module does).
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Elements per float64 work chunk on CPU: two chunks (own, received) of 2 MiB stay in the L2/L3 cache
+#: while their dot products and their combination are computed. Measured 128 Ki–256 Ki best here; smaller
+#: chunks pay the per-op overhead of PyTorch, larger ones fall out of the cache.
+CPU_CHUNK: int = 1 << 18
+#: On other devices (GPU) one chunk is the whole segment, up to this many elements (bounds the float64
+#: scratch memory to 2 × 8 × 2**24 bytes = 256 MiB).
+DEVICE_CHUNK: int = 1 << 24
+#: Tensors (parts of tensors) of fewer elements are batched with their neighbours into one chunk and
+#: reduced per tensor with ``segment_reduce``, instead of costing a few PyTorch ops each.
+SMALL_TENSOR: int = 1 << 12
+
+
+def adasum_allreduce(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """Adasum allreduce of ``tensors`` across the ranks of ``group``, in place.
+
+    Every rank passes tensors of the same shapes and dtypes in the same order (like
+    ``torch.distributed.all_reduce``); afterwards every tensor holds, on every rank, the Adasum of the
+    ranks' tensors, bitwise identical on all ranks:
+    ``adasum(a, b) = (1 - a·b / (2‖a‖²))·a + (1 - a·b / (2‖b‖²))·b`` per tensor (one coefficient pair
+    per tensor, float64 dot products and norms), combined over the ranks in the order of
+    :func:`adasum_lightning.ops.adasum_reduce`: for ``N = 2**k`` ranks Horovod's order
+    (``adasum(adasum(x0, x1), adasum(x2, x3))`` for 4); otherwise, with ``P`` the largest power of 2 ≤
+    ``N``, ranks ``r ≥ P`` are folded into rank ``r - P`` first (``x[r-P] := adasum(x[r-P], x[r])``) and
+    ranks ``0 … P-1`` are then reduced in Horovod's order.
+
+    The algorithm (module docstring) is Horovod 0.28.1's vector-halving / distance-doubling Adasum
+    (``horovod/common/ops/adasum/adasum.h``; operator from Maleki et al., "Scaling Distributed Training
+    with Adaptive Summation", MLSys 2021) on ``torch.distributed.batch_isend_irecv``. float32 results
+    match Horovod's ``hvd.allreduce(op=hvd.Adasum)`` to ≤ 1 ulp; float64 to ~1e-15 relative (summation
+    order).
+
+    Tensors are packed into one flat buffer per (dtype, device), tensor boundaries kept; a bucket of a
+    single contiguous tensor is reduced in that tensor's own memory. A reusable receive buffer (half a
+    bucket; a whole one when ``N`` is not a power of 2) is kept per thread, dtype and device, like
+    Horovod's fusion buffer; :func:`release_workspace` frees it.
+
+    Args:
+        tensors: any number of tensors of any shapes (contiguous or not), dtypes float16, bfloat16,
+            float32 or float64, on devices ``group``'s backend supports for point-to-point operations
+            (CPU with Gloo; CUDA with NCCL, after ``torch.cuda.set_device``).
+        group: the process group (default: the default group); any sub-group works. On a rank that is
+            not a member, nothing happens (as in ``torch.distributed`` collectives).
+
+    Returns:
+        The same tensors, as a list (``tensors`` itself when it is a list), reduced in place; shapes and
+        dtypes unchanged. An empty list and a group of size 1 are no-ops.
+
+    Raises:
+        TypeError: an element is not a tensor, or its dtype is not one of the four above (the message
+            names the dtype).
+        ValueError: from ``torch.distributed`` when no process group is initialised.
+        RuntimeError: from ``torch.distributed`` when the backend fails (e.g. a peer died: Gloo times out).
+    """
+    out = tensors if isinstance(tensors, list) else list(tensors)
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"adasum_allreduce needs tensors, element {i} is a {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"adasum_allreduce supports float16, bfloat16, float32 and float64 tensors; "
+                f"element {i} is {t.dtype}"
+            )
+    if not out:
+        return out
+    rank = dist.get_rank(group)
+    if rank < 0:  # not a member of ``group``
+        return out
+    size = dist.get_world_size(group)
+    if size == 1:
+        return out
+    pg = group if group is not None else dist.group.WORLD
+    comm = _Comm(pg, rank, size)
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in out:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for bucket in buckets.values():
+            _reduce_bucket(bucket, comm)
+    return out
+
+
+def release_workspace() -> None:
+    """Free this thread's receive buffers kept by :func:`adasum_allreduce`."""
+    _workspace.__dict__.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Internals
+
+
+_workspace = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "recv") -> torch.Tensor:
+    """A 1-D buffer of ``numel`` elements, reused across calls (fresh pages cost ~2 µs each here)."""
+    key = f"{slot}|{dtype}|{device}"
+    buf = getattr(_workspace, key, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        setattr(_workspace, key, buf)
+    return buf[:numel]
+
+
+class _Comm:
+    """Point-to-point exchanges inside one process group, by group rank."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.size = size
+        # P2POp takes a global ``peer`` in every torch ≥ 2.1 (``group_peer`` exists only from 2.6 on).
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(size)]
+
+    def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
+        """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped.
+
+        One send and one receive per direction and pair at a time: Gloo matches point-to-point messages
+        by (peer, tag) only, and every exchange here uses tag 0.
+        """
+        ops = []
+        if send is not None and send.numel() > 0:
+            ops.append(dist.P2POp(dist.isend, send, self.global_ranks[peer], self.group))
+        if recv is not None and recv.numel() > 0:
+            ops.append(dist.P2POp(dist.irecv, recv, self.global_ranks[peer], self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """Sum of ``values`` over the ``width`` (a power of 2) ranks ``q`` with ``q // width`` equal to ours.
+
+        Recursive doubling with pairwise swaps (distances 1, 2, …, width/2): after each step both partners
+        hold ``mine + theirs``, the same bits on both sides since floating-point addition is commutative,
+        so every rank of the block ends with the identical sum (the coefficients, and hence the result, do
+        not depend on which rank computes an element). Chosen over ``all_reduce`` on cached sub-groups:
+        ``new_group`` is collective over the whole world (deadlock when ``group`` is itself a sub-group
+        whose non-members never call it) and costs 4–5 ms per group here; the swaps are 1 + … + log2 P
+        small messages per reduction, like Horovod's per-level MPI_Allreduce.
+        """
+        step = 1
+        while step < width:
+            theirs = torch.empty_like(values)
+            self.exchange(self.rank ^ step, values, theirs)
+            values = values + theirs
+            step <<= 1
+        return values
+
+
+def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm) -> None:
+    counts = [t.numel() for t in bucket]
+    total = sum(counts)
+    if total == 0:
+        return
+    first = bucket[0]
+    if len(bucket) == 1 and first.is_contiguous():
+        flat = first.view(-1)
+        copy_back = False
+    else:
+        flat = _scratch(total, first.dtype, first.device, slot="flat")
+        torch.cat([t.reshape(-1) for t in bucket], out=flat)
+        copy_back = True
+    _reduce_flat(flat, counts, comm)
+    if copy_back:
+        offset = 0
+        for t, n in zip(bucket, counts, strict=True):
+            t.copy_(flat[offset : offset + n].view(t.shape))
+            offset += n
+
+
+def _reduce_flat(flat: torch.Tensor, counts: list[int], comm: _Comm) -> None:
+    """Adasum allreduce of one flat buffer holding tensors of ``counts`` elements, in place."""
+    rank, size = comm.rank, comm.size
+    p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
+    total = flat.numel()
+    if not is_power_of_two(size) and flat.device.type != "cpu":
+        # NCCL: a batch_isend_irecv that is the group's first collective needs every rank (torch docs);
+        # the fold below involves only some. A tiny all-rank collective first makes that safe.
+        dist.all_reduce(torch.zeros(1, device=flat.device), group=comm.group)
+    if rank >= p:  # extra rank: hand the data to rank - p, get the result back
+        comm.exchange(rank - p, flat, None)
+        comm.exchange(rank - p, None, flat)
+        return
+    has_extra = rank + p < size
+    recv = _scratch(total if has_extra else (total + 1) // 2, flat.dtype, flat.device)
+    if has_extra:  # fold x[rank + p] in: adasum on full vectors, computed here alone
+        comm.exchange(rank + p, None, recv)
+        _combine_pair(flat, recv, counts, left=True, comm=comm, width=1)
+
+    # Vector halving, distance doubling: [lo, lo + n) is the segment this rank holds.
+    lo, n = 0, total
+    seg_counts = list(counts)
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    history: list[tuple[int, int, int, int]] = []  # (lo, n) before each level and the neighbour's part
+    d = 1
+    while d < p:
+        peer = rank ^ d
+        half = n >> 1
+        left = (rank & d) == 0
+        if left:  # keep [lo, lo + half), give [lo + half, lo + n)
+            keep_lo, keep_n, give_lo, give_n = lo, half, lo + half, n - half
+        else:  # keep [lo + half, lo + n), give [lo, lo + half)
+            keep_lo, keep_n, give_lo, give_n = lo + half, n - half, lo, half
+        b = recv[:keep_n]
+        comm.exchange(peer, flat[give_lo : give_lo + give_n], b)
+        history.append((keep_lo, keep_n, give_lo, give_n))
+        lo, n = keep_lo, keep_n
+        seg_counts = _segment_counts(offsets, lo, n)
+        _combine_pair(flat[lo : lo + n], b, seg_counts, left=left, comm=comm, width=2 * d)
+        d <<= 1
+    # Distance halving: swap the reduced segments back.
+    for keep_lo, keep_n, give_lo, give_n in reversed(history):
+        d >>= 1
+        comm.exchange(rank ^ d, flat[keep_lo : keep_lo + keep_n], flat[give_lo : give_lo + give_n])
+    if has_extra:
+        comm.exchange(rank + p, flat, None)
+
+
+def _segment_counts(offsets: list[int], lo: int, n: int) -> list[int]:
+    """Elements of each tensor (boundaries ``offsets``) inside the flat range ``[lo, lo + n)``."""
+    hi = lo + n
+    return [max(0, min(hi, offsets[i + 1]) - max(lo, offsets[i])) for i in range(len(offsets) - 1)]
+
+
+def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list[int]]]:
+    """Work chunks over a segment whose tensors have ``counts`` elements in it.
+
+    Returns ``(start, stop, tensor_ids, lengths)`` per chunk, in order: a part of one large tensor (one
+    id), or a run of whole small tensor parts (several ids, ``lengths`` their elements).
+    """
+    chunks = []
+    start = 0
+    run_ids: list[int] = []
+    run_lengths: list[int] = []
+    run_start = 0
+
+    def flush() -> None:
+        if run_ids:
+            chunks.append((run_start, start, list(run_ids), list(run_lengths)))
+            run_ids.clear()
+            run_lengths.clear()
+
+    for i, c in enumerate(counts):
+        if c == 0:
+            continue
+        if c >= SMALL_TENSOR:
+            flush()
+            for s in range(start, start + c, chunk):
+                e = min(s + chunk, start + c)
+                chunks.append((s, e, [i], [e - s]))
+            start += c
+            run_start = start
+        else:
+            if not run_ids:
+                run_start = start
+            run_ids.append(i)
+            run_lengths.append(c)
+            start += c
+            if start - run_start >= chunk:
+                flush()
+                run_start = start
+    flush()
+    return chunks
+
+
+def _combine_pair(
+    a: torch.Tensor, b: torch.Tensor, counts: list[int], *, left: bool, comm: _Comm, width: int
+) -> None:
+    """``a := acoeff·a + bcoeff·b`` per tensor, with dot products summed over ``width`` ranks.
+
+    ``a`` is this rank's part of the segment, ``b`` the neighbour's data for the same elements; ``counts``
+    gives each tensor's elements in them (zeros for tensors elsewhere). ``left``: this rank holds the lower
+    half's data (Horovod's ``isLeftNeighbor``).
+    """
+    chunk = CPU_CHUNK if a.device.type == "cpu" else DEVICE_CHUNK
+    plan = _plan(counts, chunk)
+    grams = _local_grams(a, b, plan, len(counts))
+    # Horovod's layout: [dot, ‖lower half's data‖², ‖upper half's data‖²], summed over the ranks.
+    stats = comm.group_sum(grams[:, [1, 0, 3] if left else [1, 3, 0]].contiguous(), width)
+    _scaled_add(a, b, plan, _coefficients(stats, left))
+
+
+def _local_grams(a: torch.Tensor, b: torch.Tensor, plan: list, num: int) -> torch.Tensor:
+    """Per tensor, float64 ``[a·a, a·b, b·a, b·b]`` over this rank's elements: shape ``(num, 4)``."""
+    device = a.device
+    cmax = max((e - s for s, e, _, _ in plan), default=0)
+    work = _scratch(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
+    # One row per (chunk, tensor in it): the Gram matrix of (own, received), row-major.
+    rows_per_tensor = [0] * num
+    for _, _, ids, _ in plan:
+        for i in ids:
+            rows_per_tensor[i] += 1
+    grams = torch.empty(sum(rows_per_tensor), 4, dtype=torch.float64, device=device)
+    row = 0
+    for s, e, ids, lengths in plan:
+        m = work[:, : e - s]
+        m[0].copy_(a[s:e])  # exact: every supported dtype converts to float64 without rounding
+        m[1].copy_(b[s:e])
+        if len(ids) == 1:
+            torch.mm(m, m.t(), out=grams[row].view(2, 2))
+            row += 1
+        else:
+            mt = m.t()
+            prods = (mt.unsqueeze(2) * mt.unsqueeze(1)).view(e - s, 4)
+            lens = torch.tensor(lengths, device=device)
+            grams[row : row + len(ids)] = torch.segment_reduce(prods, "sum", lengths=lens, axis=0)
+            row += len(ids)
+    return torch.segment_reduce(grams, "sum", lengths=torch.tensor(rows_per_tensor, device=device), axis=0)
+
+
+def _coefficients(stats: torch.Tensor, left: bool) -> torch.Tensor:
+    """Horovod's coefficients from summed ``[dot, ‖low‖², ‖up‖²]`` rows: ``(num, 2)`` (own, received)."""
+    dot, low_sq, up_sq = stats.unbind(1)
+    one = torch.ones((), dtype=torch.float64, device=stats.device)
+    # Same float64 operations in the same order as adasum.h: 1.0 - dot / normsq * 0.5
+    c_low = torch.where(low_sq >= ADASUM_NORM_EPS, 1.0 - dot / low_sq * 0.5, one)
+    c_up = torch.where(up_sq >= ADASUM_NORM_EPS, 1.0 - dot / up_sq * 0.5, one)
+    return torch.stack([c_low, c_up] if left else [c_up, c_low], dim=1)
+
+
+def _scaled_add(a: torch.Tensor, b: torch.Tensor, plan: list, coeffs: torch.Tensor) -> None:
+    """``a := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``a.dtype``."""
+    device = a.device
+    cmax = max((e - s for s, e, _, _ in plan), default=0)
+    work = _scratch(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
+    out = _scratch(cmax, torch.float64, device, slot="out64")
+    for s, e, ids, lengths in plan:
+        m = work[:, : e - s]
+        m[0].copy_(a[s:e])
+        m[1].copy_(b[s:e])
+        y = out[: e - s]
+        if len(ids) == 1:
+            torch.mv(m.t(), coeffs[ids[0]], out=y)
+        else:
+            ce = coeffs[ids].repeat_interleave(torch.tensor(lengths, device=device), dim=0, output_size=e - s)
+            torch.sum(m.t() * ce, dim=1, out=y)
+        a[s:e].copy_(y)

@@ -1,0 +1,256 @@
+"""``adasum_allreduce`` (Adasum on torch.distributed): real Gloo processes, every rank's result checked
+against the reference operator and against Horovod's own Adasum allreduce; plus in-process unit tests."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import adasum_lightning.allreduce as ar
+from adasum_lightning.allreduce import adasum_allreduce
+from adasum_lightning.ops import ADASUM_NORM_EPS, adasum, adasum_reduce, is_power_of_two
+from tests.helpers import ROOT, load_ranks, mpi_env, run_horovod
+
+#: max |ours - expected| / max |expected| per dtype (the reference rounds each pairwise step to the dtype,
+#: as the allreduce does; low-precision dtypes may still differ by an ulp where a coefficient's last bit
+#: differs)
+REL_TOL = {"torch.float64": 1e-12, "torch.float32": 1e-5, "torch.float16": 2e-3, "torch.bfloat16": 1e-2}
+
+
+def run_torchrun(np: int, *args: str, timeout: float = 120) -> None:
+    """``torchrun --standalone --nproc-per-node np -m tests.workers.adasum_allreduce ARGS`` from the root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={np}"]
+    cmd += ["-m", "tests.workers.adasum_allreduce", *args]
+    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.double().abs().max().item() if expected.numel() else 0.0
+    diff = (out.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def float32_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element, how many float32 values lie between ``a`` and ``b`` (0: equal; +0 and -0 equal)."""
+
+    def key(x: torch.Tensor) -> torch.Tensor:
+        bits = x.contiguous().view(torch.int32).to(torch.int64)
+        return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+    return (key(a) - key(b)).abs()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real processes (Gloo)
+
+
+def check_all_cases(calls: list[dict]) -> None:
+    """``calls``: each member's result of one all-cases call, in group-rank order."""
+    n = len(calls)
+    first = calls[0]
+    for r, res in enumerate(calls):
+        assert res["returned_same_list"] and res["strides_kept"]
+        for dt, name in first["order"]:
+            inputs = [calls[k]["inputs"][dt][name] for k in range(n)]
+            out = res["outputs"][(dt, name)]
+            assert out.shape == inputs[r].shape and str(out.dtype) == dt, (dt, name)
+            assert torch.equal(out, first["outputs"][(dt, name)]), (r, dt, name)  # bitwise, every rank
+            expected = adasum_reduce(inputs)
+            assert not torch.isnan(out).any(), (dt, name)
+            assert rel_err(out, expected) <= REL_TOL[dt], (n, r, dt, name, rel_err(out, expected))
+            if name == "identical":  # adasum(x, x) = x exactly
+                assert torch.equal(out, inputs[0])
+            if name == "zero_everywhere":
+                assert torch.equal(out, torch.zeros_like(out))
+            if name == "zero_on_rank0" and n == 2:  # the other rank's update comes through unchanged
+                assert torch.equal(out, inputs[1])
+            if is_power_of_two(n) and name == "anti_parallel":  # x and -x cancel
+                assert out.abs().max().item() <= 1e-6
+            if is_power_of_two(n) and name == "parallel":  # parallel updates: their mean
+                mean = torch.stack([x.double() for x in inputs]).mean(0)
+                assert rel_err(out, mean) <= REL_TOL[dt], (dt, rel_err(out, mean))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("np", "prefix_groups"), [(2, []), (4, [3]), (8, [5, 6, 7])])
+def test_equals_the_reference_on_every_rank(np, prefix_groups, tmp_path):
+    """Default groups of 2, 4 and 8 ranks; groups of 3 (of 4) and of 5, 6, 7 (of 8) first ranks.
+
+    Non-powers of 2 run as sub-groups in the launches of 4 and 8 processes: the same code as a default
+    group of that size plus the group-to-global rank mapping, without three more launches (each process
+    imports torch and Lightning, ~5 s of CPU on this 2-core machine).
+    """
+    run_torchrun(np, "gloo", str(tmp_path), *map(str, prefix_groups))
+    ranks = load_ranks(tmp_path, np)
+    assert [(res["rank"], res["size"]) for res in ranks] == [(r, np) for r in range(np)]
+    check_all_cases([res["world"] for res in ranks])
+    for k in prefix_groups:
+        check_all_cases([res["prefix"][k] for res in ranks[:k]])
+        assert all(res["prefix"][k] is None for res in ranks[k:])
+    for r, res in enumerate(ranks):
+        # the multi-chunk float32 tensor alone, reduced in its own memory
+        assert res["single_same_memory"]
+        expected = adasum_reduce([ranks[k]["single_input"] for k in range(np)])
+        assert rel_err(res["single"], expected) <= 1e-5
+        assert torch.equal(res["single"], ranks[0]["single"])
+        # sub-group of ranks 1 … np-1; rank 0 is not in it and keeps its tensors
+        if r == 0:
+            for before, after in zip(res["sub_inputs"], res["sub_outputs"], strict=True):
+                assert torch.equal(before, after)
+        else:
+            for i, after in enumerate(res["sub_outputs"]):
+                expected = adasum_reduce([ranks[k]["sub_inputs"][i] for k in range(1, np)])
+                assert rel_err(after, expected) <= REL_TOL[str(after.dtype)], (r, i)
+                assert torch.equal(after, ranks[1]["sub_outputs"][i])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np", [2, 4])
+def test_equals_horovods_adasum(np, tmp_path):
+    run_horovod(np, "adasum_allreduce", "horovod", str(tmp_path))
+    ranks = load_ranks(tmp_path, np)
+    worst = {"torch.float32": 0, "torch.float64": 0.0}
+    for r, res in enumerate(ranks):
+        for (dt, name), ours in res["ours"].items():
+            theirs = res["horovod"][(dt, name)]
+            assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+            assert torch.equal(ours, ranks[0]["ours"][(dt, name)]), (r, dt, name)
+            if dt == "torch.float32":
+                ulps = int(float32_ulps(ours, theirs).max())
+                assert ulps <= 1, (r, name, ulps)
+                worst[dt] = max(worst[dt], ulps)
+            else:  # relative to the inputs' scale: where they cancel (x, -x) Horovod's fused
+                # multiply-add leaves ~1e-17 residues and ours may give exact zeros
+                scale = max(
+                    [theirs.abs().max().item()] + [k["inputs"][dt][name].abs().max().item() for k in ranks]
+                )
+                err = (ours - theirs).abs().max().item() / max(scale, 1e-300)
+                assert err <= 1e-14, (r, name, err)
+                worst[dt] = max(worst[dt], err)
+    print(
+        f"N={np}: float32 max {worst['torch.float32']} ulp, float64 max {worst['torch.float64']:.2e} relative"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-process
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int32, torch.bool, torch.complex64, torch.float8_e4m3fn]
+)
+def test_unsupported_dtype_raises_type_error_naming_it(dtype):
+    with pytest.raises(TypeError, match=str(dtype)):
+        adasum_allreduce([torch.ones(3), torch.zeros(2, dtype=dtype)])
+
+
+def test_non_tensor_raises_type_error():
+    with pytest.raises(TypeError, match="element 1 is a list"):
+        adasum_allreduce([torch.ones(3), [1.0, 2.0]])
+
+
+def test_empty_list_is_a_no_op_without_a_process_group():
+    tensors: list[torch.Tensor] = []
+    assert adasum_allreduce(tensors) is tensors
+
+
+@pytest.fixture
+def single_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_size_one_is_a_no_op(single_process_group):
+    x = torch.randn(4, 3)
+    y = torch.randn(5, dtype=torch.float64)
+    before = (x.clone(), y.clone())
+    tensors = [x, y]
+    assert adasum_allreduce(tensors) is tensors
+    assert torch.equal(x, before[0]) and torch.equal(y, before[1])
+
+
+class _LocalComm:
+    """Stands in for the process group where the dot products need no summing (width 1)."""
+
+    def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        assert width == 1
+        return values
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_pairwise_step_equals_the_operator_per_tensor(dtype, monkeypatch):
+    # small chunks so that large tensors span several chunks and small ones share one
+    monkeypatch.setattr(ar, "CPU_CHUNK", 1000)
+    monkeypatch.setattr(ar, "SMALL_TENSOR", 300)
+    gen = torch.Generator().manual_seed(0)
+    counts = [5, 0, 2500, 299, 300, 1, 7, 1000, 3001, 0, 40, 40, 40]
+    a_parts = [torch.randn(c, generator=gen, dtype=torch.float64).to(dtype) for c in counts]
+    b_parts = [torch.randn(c, generator=gen, dtype=torch.float64).to(dtype) for c in counts]
+    b_parts[0] = a_parts[0].clone()  # identical
+    b_parts[3] = torch.zeros(counts[3], dtype=dtype)  # one side zero
+    b_parts[6] = -a_parts[6]  # anti-parallel
+    a = torch.cat(a_parts)
+    b = torch.cat(b_parts)
+    for left in (True, False):
+        own = a.clone()
+        ar._combine_pair(own, b, counts, left=left, comm=_LocalComm(), width=1)
+        offset = 0
+        for i, c in enumerate(counts):
+            # the lower half's data is "own" when left, the neighbour's otherwise: same coefficients
+            expected = adasum(a_parts[i], b_parts[i]) if left else adasum(b_parts[i], a_parts[i])
+            got = own[offset : offset + c]
+            assert rel_err(got, expected) <= REL_TOL[str(dtype)], (left, i, rel_err(got, expected))
+            offset += c
+        assert torch.equal(own[: counts[0]], a_parts[0])
+        assert torch.equal(own[sum(counts[:3]) : sum(counts[:4])], a_parts[3])
+        assert own[sum(counts[:6]) : sum(counts[:7])].abs().max() == 0
+
+
+def test_plan_covers_the_segment_in_order(monkeypatch):
+    rng = random.Random(1)
+    for _ in range(200):
+        counts = [
+            rng.choice([0, 1, 3, 50, 299, 300, 301, 999, 1000, 1001, 4000]) for _ in range(rng.randint(0, 12))
+        ]
+        chunk, small = 1000, 300
+        monkeypatch.setattr(ar, "SMALL_TENSOR", small)
+        plan = ar._plan(counts, chunk)
+        position = 0
+        seen: dict[int, int] = {}
+        for start, stop, ids, lengths in plan:
+            assert start == position and stop > start and sum(lengths) == stop - start
+            assert len(ids) == len(lengths) and all(c > 0 for c in lengths)
+            if len(ids) > 1 or counts[ids[0]] < small:  # a run of small tensors, each whole
+                assert all(counts[i] < small and counts[i] == c for i, c in zip(ids, lengths, strict=True))
+                assert stop - start < chunk + small
+            else:  # a part of one large tensor
+                assert stop - start <= chunk
+            for i, c in zip(ids, lengths, strict=True):
+                seen[i] = seen.get(i, 0) + c
+            position = stop
+        assert position == sum(counts)
+        assert seen == {i: c for i, c in enumerate(counts) if c > 0}
+
+
+def test_segment_counts():
+    offsets = [0, 3, 3, 10, 12]  # tensors of 3, 0, 7, 2 elements
+    assert ar._segment_counts(offsets, 0, 12) == [3, 0, 7, 2]
+    assert ar._segment_counts(offsets, 2, 6) == [1, 0, 5, 0]
+    assert ar._segment_counts(offsets, 10, 2) == [0, 0, 0, 2]
+    assert ar._segment_counts(offsets, 5, 0) == [0, 0, 0, 0]
+
+
+def test_norm_threshold_is_horovods():
+    assert ADASUM_NORM_EPS == pytest.approx(1.4916681462400413e-154)

@@ -1,0 +1,156 @@
+"""Worker: ``adasum_allreduce`` on real processes; every rank saves its inputs and results.
+
+usage:
+  torchrun --standalone --nproc-per-node N -m tests.workers.adasum_allreduce gloo OUT_DIR [K ...]
+      a Gloo process group of N ranks: one call over the default group with every case (four dtypes, so
+      four buckets), one call with a single contiguous tensor, one over the sub-group of ranks 1 … N-1
+      (rank 0 is no member and calls too), and for each K one with every case over ranks 0 … K-1.
+  horovodrun -np N python -m tests.workers.adasum_allreduce horovod OUT_DIR
+      Horovod plus a Gloo group of the same ranks: Horovod's own Adasum allreduce per tensor, then
+      ``adasum_allreduce`` of the same inputs in one call.
+
+Every rank writes ``OUT_DIR/rank{r}.pt``; the tests compute the expected values from all ranks' inputs.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from adasum_lightning.allreduce import adasum_allreduce
+from adasum_lightning.ops import ADASUM_NORM_EPS
+
+
+def large(rank: int) -> torch.Tensor:
+    """600,000 float32: more than two CPU chunks (2**18 elements) per rank's half at N = 2."""
+    return torch.randn(600_000, generator=torch.Generator().manual_seed(7 + rank))
+
+
+def cases(rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """This rank's inputs of one dtype: named hard cases and random tensors of several shapes."""
+    gen = torch.Generator().manual_seed(100 + 31 * rank)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    common = torch.linspace(-1.0, 2.0, 50, dtype=torch.float64)  # the same on every rank
+    # float64: squared norm 1.6e-159, below sqrt(DBL_MIN) ≈ 1.5e-154 (coefficient forced to 1); float32
+    # cannot get there except by zeros (its smallest subnormal squared is 2e-90): a subnormal instead.
+    tiny = 1e-80 if dtype == torch.float64 else 1e-40
+    out = {
+        "random_7": randn(7),
+        "random_33x5": randn(33, 5),
+        "random_3x4x5": randn(3, 4, 5),
+        "scalar": randn(),
+        "empty": randn(0),
+        "zero_on_rank0": torch.zeros(64, dtype=dtype) if rank == 0 else randn(64),
+        "zero_everywhere": torch.zeros(9, dtype=dtype),
+        "parallel": (common * (rank + 1)).to(dtype),
+        "anti_parallel": (common * (-1.0) ** rank).to(dtype),
+        "identical": common.to(dtype),
+        "non_contiguous": randn(5, 33).t(),  # (33, 5), strides (1, 33)
+    }
+    if dtype in (torch.float32, torch.float64):
+        out["tiny_on_rank1"] = torch.full((16,), tiny, dtype=dtype) if rank == 1 else randn(16)
+        out["small_run"] = randn(5000)  # above SMALL_TENSOR: its own chunk
+    return out
+
+
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def all_cases_call(rank: int, group: dist.ProcessGroup | None = None) -> dict:
+    """One call with every case, dtypes interleaved (float64, float32, float16, bfloat16, float64, …: four
+    buckets); returns the order, the inputs and the outputs."""
+    inputs = {str(dt): cases(rank, dt) for dt in DTYPES}
+    order = [
+        (dt, name) for name in inputs[str(torch.float64)] for dt in map(str, DTYPES) if name in inputs[dt]
+    ]
+    tensors = [inputs[dt][name].clone() for dt, name in order]
+    strides_before = [t.stride() for t in tensors]
+    returned = adasum_allreduce(tensors, group=group)
+    return {
+        "order": order,
+        "inputs": inputs,
+        "outputs": {key: t for key, t in zip(order, tensors, strict=True)},
+        "returned_same_list": returned is tensors,
+        "strides_kept": [t.stride() for t in tensors] == strides_before,
+    }
+
+
+def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    result = {"rank": rank, "size": size, "world": all_cases_call(rank)}
+    # A single contiguous tensor (reduced in its own memory), passed as a tuple.
+    result["single_input"] = large(rank)
+    single = result["single_input"].clone()
+    ptr = single.data_ptr()
+    ret = adasum_allreduce((single,))
+    result["single"] = single
+    result["single_same_memory"] = single.data_ptr() == ptr and ret[0] is single
+    # A sub-group: ranks 1 … size-1 (rank 0 is not a member; it calls too and nothing happens).
+    sub = dist.new_group(list(range(1, size)))
+    sub_tensors = [
+        cases(rank, torch.float64)["random_33x5"].clone(),
+        cases(rank, torch.float32)["random_7"].clone(),
+    ]
+    result["sub_inputs"] = [t.clone() for t in sub_tensors]
+    adasum_allreduce(sub_tensors, group=sub)
+    result["sub_outputs"] = sub_tensors
+    # Groups of the first k ranks: world sizes k < size within one launch (every rank creates each group).
+    result["prefix"] = {}
+    for k in prefix_groups:
+        group = dist.new_group(list(range(k)))
+        result["prefix"][k] = all_cases_call(rank, group) if rank < k else None
+    dist.barrier()
+    torch.save(result, out_dir / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def horovod(out_dir: Path) -> None:
+    import horovod.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    port = 0
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = hvd.broadcast_object(port, root_rank=0, name="gloo_port")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    inputs = {str(dt): cases(rank, dt) for dt in (torch.float32, torch.float64)}
+    for per_dtype in inputs.values():
+        del per_dtype["empty"]  # Horovod's Adasum of an empty tensor is not defined
+    inputs["torch.float32"]["large"] = large(rank)
+    order = [(dt, name) for dt, per_dtype in inputs.items() for name in per_dtype]
+    horovod_out = {
+        (dt, name): hvd.allreduce(inputs[dt][name].contiguous(), op=hvd.Adasum, name=f"{dt}.{name}")
+        for dt, name in order
+    }
+    tensors = [inputs[dt][name].clone() for dt, name in order]
+    adasum_allreduce(tensors)
+    result = {
+        "rank": rank,
+        "size": size,
+        "inputs": inputs,
+        "horovod": horovod_out,
+        "ours": {key: t for key, t in zip(order, tensors, strict=True)},
+        "eps": ADASUM_NORM_EPS,
+    }
+    torch.save(result, out_dir / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    if mode == "gloo":
+        gloo(out, [int(k) for k in sys.argv[3:]])
+    else:
+        horovod(out)

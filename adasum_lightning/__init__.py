@@ -13,6 +13,7 @@ Importing does not initialise Horovod; that happens when ``Trainer.fit`` starts.
 from pytorch_lightning.strategies import StrategyRegistry
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
+from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.environment import HorovodEnvironment, launcher_rank
 from adasum_lightning.ops import adasum, adasum_reduce
 from adasum_lightning.strategy import HorovodAdasumStrategy, HorovodStrategy
@@ -23,6 +24,7 @@ __all__ = [
     "HorovodStrategy",
     "HorovodEnvironment",
     "adasum",
+    "adasum_allreduce",
     "adasum_reduce",
 ]
 

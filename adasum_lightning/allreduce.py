@@ -18,6 +18,11 @@ Algorithm, per flat bucket of same-dtype, same-device tensors (tensor boundaries
 3. Distance halving back (``d = P/2 … 1``): the pairs swap their segments until every rank of
    ``0 … P-1`` holds the whole result; then ranks ``r - P`` send it to ranks ``r``.
 
+Buckets under :data:`HALVING_MIN_BYTES` skip the halving in step 2 (recursive doubling): at each level the
+pair swaps whole buckets and both ranks compute ``adasum(lower block's, upper block's)`` on whole tensors
+with the same operand order, so both hold bitwise the same result. One message per level instead of
+Horovod's three (halves, dot products, gather) at the price of twice the arithmetic; same result.
+
 The result is :func:`adasum_lightning.ops.adasum_reduce` of the ranks' tensors (same pairing order);
 float32 results match Horovod's own Adasum allreduce to ≤ 1 ulp.
 
@@ -39,7 +44,7 @@ import torch.distributed as dist
 
 from adasum_lightning.ops import ADASUM_NORM_EPS, is_power_of_two
 
-__all__ = ["adasum_allreduce"]
+__all__ = ["adasum_allreduce", "release_workspace"]
 
 #: Dtypes :func:`adasum_allreduce` reduces (Horovod's CPU Adasum has no bfloat16; this module does).
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -51,6 +56,15 @@ CPU_CHUNK: int = 1 << 18
 #: On other devices (GPU) one chunk is the whole segment, up to this many elements (bounds the float64
 #: scratch memory to 2 × 8 × 2**24 bytes = 256 MiB).
 DEVICE_CHUNK: int = 1 << 24
+#: On CPU, transfers of more than this many elements are split into up to :data:`PIPELINE_PIECES`
+#: messages (distinct tags), so that the dot products of the first pieces run while the next ones arrive,
+#: and the last level's combination is sent piece by piece while the next piece is computed. 0: off.
+PIPELINE_PIECE: int = 1 << 18
+PIPELINE_PIECES: int = 8
+#: Buckets of fewer bytes skip the vector halving: at each level the pair swaps whole buckets and both
+#: ranks compute the same combination (one message per level instead of three; each rank computes on
+#: the whole bucket). Same result; chosen for latency where messages are small.
+HALVING_MIN_BYTES: int = 1 << 20
 #: Tensors (parts of tensors) of fewer elements are batched with their neighbours into one chunk and
 #: reduced per tensor with ``segment_reduce``, instead of costing a few PyTorch ops each.
 SMALL_TENSOR: int = 1 << 12
@@ -78,9 +92,11 @@ def adasum_allreduce(
     order).
 
     Tensors are packed into one flat buffer per (dtype, device), tensor boundaries kept; a bucket of a
-    single contiguous tensor is reduced in that tensor's own memory. A reusable receive buffer (half a
-    bucket; a whole one when ``N`` is not a power of 2) is kept per thread, dtype and device, like
-    Horovod's fusion buffer; :func:`release_workspace` frees it.
+    single contiguous tensor is reduced in that tensor's own memory. Buffers are kept for the next call
+    per thread, dtype and device, like Horovod's fusion buffer (fresh memory costs a page fault per 4 KiB):
+    the receive buffer (half the largest bucket, or all of it for small buckets and when ``N`` is not a
+    power of 2), the packed bucket when it holds several tensors, and float64 work space (6 MiB on CPU);
+    :func:`release_workspace` frees them.
 
     Args:
         tensors: any number of tensors of any shapes (contiguous or not), dtypes float16, bfloat16,
@@ -128,7 +144,7 @@ def adasum_allreduce(
 
 
 def release_workspace() -> None:
-    """Free this thread's receive buffers kept by :func:`adasum_allreduce`."""
+    """Free the buffers :func:`adasum_allreduce` keeps for this thread (they are re-created when needed)."""
     _workspace.__dict__.clear()
 
 
@@ -160,19 +176,31 @@ class _Comm:
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(size)]
 
     def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped.
+        """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped."""
+        self.start(peer, [] if send is None else [send], [] if recv is None else [recv]).wait_all()
 
-        One send and one receive per direction and pair at a time: Gloo matches point-to-point messages
-        by (peer, tag) only, and every exchange here uses tag 0.
+    def start(
+        self, peer: int, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag0: int = 0
+    ) -> _Pending:
+        """Post sends and receives with group rank ``peer``; message ``k`` of each list has tag ``tag0 + k``.
+
+        Concurrent messages in one direction between one pair need distinct tags (Gloo matches by peer
+        and tag); the peer posts the matching list with the same tags.
         """
-        ops = []
-        if send is not None and send.numel() > 0:
-            ops.append(dist.P2POp(dist.isend, send, self.global_ranks[peer], self.group))
-        if recv is not None and recv.numel() > 0:
-            ops.append(dist.P2POp(dist.irecv, recv, self.global_ranks[peer], self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        ops = [
+            dist.P2POp(op, t, self.global_ranks[peer], self.group, tag=tag0 + k)
+            for op, tensors in ((dist.isend, sends), (dist.irecv, recvs))
+            for k, t in enumerate(tensors)
+            if t.numel() > 0
+        ]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        recv_index = {}
+        i = sum(1 for t in sends if t.numel() > 0)
+        for k, t in enumerate(recvs):
+            if t.numel() > 0:
+                recv_index[k] = i
+                i += 1
+        return _Pending(works, recv_index if len(works) == len(ops) else None)
 
     def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """Sum of ``values`` over the ``width`` (a power of 2) ranks ``q`` with ``q // width`` equal to ours.
@@ -192,6 +220,41 @@ class _Comm:
             values = values + theirs
             step <<= 1
         return values
+
+
+class _Pending:
+    """Handles of posted messages: wait for receive ``k`` alone (Gloo: one handle per message), or all.
+
+    Each handle is waited once: a second ``wait()`` on a completed Gloo receive blocks for ever.
+    """
+
+    def __init__(self, works: list, recv_index: dict[int, int] | None) -> None:
+        self.works: list = list(works)
+        self.recv_index = recv_index  # None: the backend coalesced the batch (NCCL): no per-message wait
+
+    def wait_recv(self, k: int) -> None:
+        if self.recv_index is None:
+            self.wait_all()
+        elif k in self.recv_index:
+            self._wait(self.recv_index[k])
+
+    def wait_all(self) -> None:
+        for i in range(len(self.works)):
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        work = self.works[i]
+        if work is not None:
+            work.wait()
+            self.works[i] = None
+
+
+def _pieces(lo: int, n: int, device: torch.device) -> list[tuple[int, int]]:
+    """``[lo, lo + n)`` as the ``(start, length)`` messages of one transfer (the peer computes the same)."""
+    if device.type != "cpu" or PIPELINE_PIECE <= 0 or n <= PIPELINE_PIECE:
+        return [(lo, n)]
+    size = max(PIPELINE_PIECE, -(-n // PIPELINE_PIECES))
+    return [(s, min(size, lo + n - s)) for s in range(lo, lo + n, size)]
 
 
 def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm) -> None:
@@ -228,19 +291,47 @@ def _reduce_flat(flat: torch.Tensor, counts: list[int], comm: _Comm) -> None:
         comm.exchange(rank - p, flat, None)
         comm.exchange(rank - p, None, flat)
         return
-    has_extra = rank + p < size
-    recv = _scratch(total if has_extra else (total + 1) // 2, flat.dtype, flat.device)
-    if has_extra:  # fold x[rank + p] in: adasum on full vectors, computed here alone
-        comm.exchange(rank + p, None, recv)
-        _combine_pair(flat, recv, counts, left=True, comm=comm, width=1)
-
-    # Vector halving, distance doubling: [lo, lo + n) is the segment this rank holds.
-    lo, n = 0, total
-    seg_counts = list(counts)
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
-    history: list[tuple[int, int, int, int]] = []  # (lo, n) before each level and the neighbour's part
+    has_extra = rank + p < size
+    halving = total * flat.element_size() >= HALVING_MIN_BYTES
+    recv = _scratch(total if has_extra or not halving else (total + 1) // 2, flat.dtype, flat.device)
+    if has_extra:  # fold x[rank + p] in: adasum(x[rank], x[rank + p]) on whole tensors, computed here
+        comm.exchange(rank + p, None, recv)
+        _local_pair(flat, flat, recv, offsets, own_low=True)
+    if halving:
+        _halving_doubling(flat, recv, offsets, comm, p)
+    else:
+        d = 1
+        while d < p:  # whole buckets: both ranks compute adasum(lower block's, upper block's)
+            comm.exchange(rank ^ d, flat, recv[:total])
+            _local_pair(flat, flat, recv[:total], offsets, own_low=(rank & d) == 0)
+            d <<= 1
+    if has_extra:
+        comm.exchange(rank + p, flat, None)
+
+
+def _local_pair(out: torch.Tensor, own: torch.Tensor, other: torch.Tensor, offsets: list[int], own_low: bool):
+    """``out := adasum(low, high)`` per tensor over whole tensors, ``(low, high)`` = ``(own, other)`` when
+    ``own_low`` else ``(other, own)``. Both ranks of a pair compute with the same operand order, so their
+    results are bitwise identical."""
+    low, high = (own, other) if own_low else (other, own)
+    counts = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+    plan = _plan(counts, CPU_CHUNK if out.device.type == "cpu" else DEVICE_CHUNK)
+    grams = _local_grams(low, high, plan, len(counts))
+    _scaled_add(out, low, high, plan, _coefficients(grams[:, [1, 0, 3]], left=True))
+
+
+def _halving_doubling(
+    flat: torch.Tensor, recv: torch.Tensor, offsets: list[int], comm: _Comm, p: int
+) -> None:
+    """Horovod's vector halving / distance doubling over group ranks ``0 … p-1``, then distance halving."""
+    rank = comm.rank
+    num = len(offsets) - 1
+    chunk = CPU_CHUNK if flat.device.type == "cpu" else DEVICE_CHUNK
+    lo, n = 0, flat.numel()  # [lo, lo + n): the segment this rank holds
+    history: list[tuple[int, int, int, int]] = []  # per level: this rank's part and the neighbour's
     d = 1
     while d < p:
         peer = rank ^ d
@@ -250,19 +341,43 @@ def _reduce_flat(flat: torch.Tensor, counts: list[int], comm: _Comm) -> None:
             keep_lo, keep_n, give_lo, give_n = lo, half, lo + half, n - half
         else:  # keep [lo + half, lo + n), give [lo, lo + half)
             keep_lo, keep_n, give_lo, give_n = lo + half, n - half, lo, half
-        b = recv[:keep_n]
-        comm.exchange(peer, flat[give_lo : give_lo + give_n], b)
         history.append((keep_lo, keep_n, give_lo, give_n))
+        keep = _pieces(keep_lo, keep_n, flat.device)
+        give = _pieces(give_lo, give_n, flat.device)
+        own = [flat[s : s + m] for s, m in keep]
+        theirs = [recv[s - keep_lo : s - keep_lo + m] for s, m in keep]
+        pending = comm.start(peer, [flat[s : s + m] for s, m in give], theirs)
+        # Dot products piece by piece as the pieces arrive (a: own data, b: the neighbour's).
+        plans = [_plan(_segment_counts(offsets, s, m), chunk) for s, m in keep]
+        grams = None
+        for k in range(len(keep)):
+            pending.wait_recv(k)
+            g = _local_grams(own[k], theirs[k], plans[k], num)
+            grams = g if grams is None else grams + g
+        pending.wait_all()  # our sends too: ``flat[give]`` is overwritten by the gather
+        # Horovod's layout: [dot, ‖lower half's data‖², ‖upper half's data‖²], summed over the 2·d ranks.
+        stats = comm.group_sum(grams[:, [1, 0, 3] if left else [1, 3, 0]].contiguous(), 2 * d)
+        coeffs = _coefficients(stats, left)
         lo, n = keep_lo, keep_n
-        seg_counts = _segment_counts(offsets, lo, n)
-        _combine_pair(flat[lo : lo + n], b, seg_counts, left=left, comm=comm, width=2 * d)
         d <<= 1
-    # Distance halving: swap the reduced segments back.
-    for keep_lo, keep_n, give_lo, give_n in reversed(history):
-        d >>= 1
-        comm.exchange(rank ^ d, flat[keep_lo : keep_lo + keep_n], flat[give_lo : give_lo + give_n])
-    if has_extra:
-        comm.exchange(rank + p, flat, None)
+        if d < p or len(keep) == 1:
+            for k in range(len(keep)):
+                _scaled_add(own[k], own[k], theirs[k], plans[k], coeffs)
+        else:  # last level, several pieces (CPU only): send each combined piece at once (the first gather
+            # step) while combining the next; the receives of the neighbour's pieces are posted first.
+            # Not for NCCL, where a batch of receives alone would block the stream before our sends.
+            gather = comm.start(peer, [], [flat[s : s + m] for s, m in give])
+            sent = []
+            for k in range(len(keep)):
+                _scaled_add(own[k], own[k], theirs[k], plans[k], coeffs)
+                sent.append(comm.start(peer, [own[k]], [], tag0=k))
+            for pending in (*sent, gather):
+                pending.wait_all()
+            history.pop()  # its gather is done
+    # Distance halving: swap the reduced segments back (history[i] is the level of distance 2**i).
+    for i in reversed(range(len(history))):
+        keep_lo, keep_n, give_lo, give_n = history[i]
+        comm.exchange(rank ^ (1 << i), flat[keep_lo : keep_lo + keep_n], flat[give_lo : give_lo + give_n])
 
 
 def _segment_counts(offsets: list[int], lo: int, n: int) -> list[int]:
@@ -312,25 +427,9 @@ def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list
     return chunks
 
 
-def _combine_pair(
-    a: torch.Tensor, b: torch.Tensor, counts: list[int], *, left: bool, comm: _Comm, width: int
-) -> None:
-    """``a := acoeff·a + bcoeff·b`` per tensor, with dot products summed over ``width`` ranks.
-
-    ``a`` is this rank's part of the segment, ``b`` the neighbour's data for the same elements; ``counts``
-    gives each tensor's elements in them (zeros for tensors elsewhere). ``left``: this rank holds the lower
-    half's data (Horovod's ``isLeftNeighbor``).
-    """
-    chunk = CPU_CHUNK if a.device.type == "cpu" else DEVICE_CHUNK
-    plan = _plan(counts, chunk)
-    grams = _local_grams(a, b, plan, len(counts))
-    # Horovod's layout: [dot, ‖lower half's data‖², ‖upper half's data‖²], summed over the ranks.
-    stats = comm.group_sum(grams[:, [1, 0, 3] if left else [1, 3, 0]].contiguous(), width)
-    _scaled_add(a, b, plan, _coefficients(stats, left))
-
-
 def _local_grams(a: torch.Tensor, b: torch.Tensor, plan: list, num: int) -> torch.Tensor:
-    """Per tensor, float64 ``[a·a, a·b, b·a, b·b]`` over this rank's elements: shape ``(num, 4)``."""
+    """Per tensor, float64 ``[a·a, a·b, b·a, b·b]`` over the elements of ``a`` and ``b`` (same length, laid
+    out by ``plan``): shape ``(num, 4)``."""
     device = a.device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = _scratch(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
@@ -367,20 +466,25 @@ def _coefficients(stats: torch.Tensor, left: bool) -> torch.Tensor:
     return torch.stack([c_low, c_up] if left else [c_up, c_low], dim=1)
 
 
-def _scaled_add(a: torch.Tensor, b: torch.Tensor, plan: list, coeffs: torch.Tensor) -> None:
-    """``a := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``a.dtype``."""
+def _scaled_add(
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: list, coeffs: torch.Tensor
+) -> None:
+    """``out := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``out.dtype``.
+
+    ``out`` may be ``a`` or ``b`` (each chunk is read before it is written).
+    """
     device = a.device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = _scratch(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
-    out = _scratch(cmax, torch.float64, device, slot="out64")
+    y64 = _scratch(cmax, torch.float64, device, slot="out64")
     for s, e, ids, lengths in plan:
         m = work[:, : e - s]
         m[0].copy_(a[s:e])
         m[1].copy_(b[s:e])
-        y = out[: e - s]
+        y = y64[: e - s]
         if len(ids) == 1:
             torch.mv(m.t(), coeffs[ids[0]], out=y)
         else:
             ce = coeffs[ids].repeat_interleave(torch.tensor(lengths, device=device), dim=0, output_size=e - s)
             torch.sum(m.t() * ce, dim=1, out=y)
-        a[s:e].copy_(y)
+        out[s:e].copy_(y)

@@ -3,7 +3,9 @@ against the reference operator and against Horovod's own Adasum allreduce; plus 
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -23,12 +25,24 @@ REL_TOL = {"torch.float64": 1e-12, "torch.float32": 1e-5, "torch.float16": 2e-3,
 
 
 def run_torchrun(np: int, *args: str, timeout: float = 120) -> None:
-    """``torchrun --standalone --nproc-per-node np -m tests.workers.adasum_allreduce ARGS`` from the root."""
+    """``torchrun --standalone --nproc-per-node np -m tests.workers.adasum_allreduce ARGS`` from the root.
+
+    In its own session: on a timeout (a hang) the launcher and all its workers are killed.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={np}"]
     cmd += ["-m", "tests.workers.adasum_allreduce", *args]
-    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(
+        cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{output[-6000:]}")
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{output[-6000:]}")
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -90,9 +104,11 @@ def test_equals_the_reference_on_every_rank(np, prefix_groups, tmp_path):
     run_torchrun(np, "gloo", str(tmp_path), *map(str, prefix_groups))
     ranks = load_ranks(tmp_path, np)
     assert [(res["rank"], res["size"]) for res in ranks] == [(r, np) for r in range(np)]
-    check_all_cases([res["world"] for res in ranks])
+    check_all_cases([res["world"] for res in ranks])  # small buckets: whole-bucket exchange
+    check_all_cases([res["world_halving"] for res in ranks])  # the same, forced through vector halving
     for k in prefix_groups:
-        check_all_cases([res["prefix"][k] for res in ranks[:k]])
+        for path in (0, 1):
+            check_all_cases([res["prefix"][k][path] for res in ranks[:k]])
         assert all(res["prefix"][k] is None for res in ranks[k:])
     for r, res in enumerate(ranks):
         # the multi-chunk float32 tensor alone, reduced in its own memory
@@ -181,21 +197,23 @@ def test_world_size_one_is_a_no_op(single_process_group):
     assert torch.equal(x, before[0]) and torch.equal(y, before[1])
 
 
-class _LocalComm:
-    """Stands in for the process group where the dot products need no summing (width 1)."""
-
-    def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
-        assert width == 1
-        return values
+def test_workspace_is_reused_and_released():
+    buf = ar._scratch(100, torch.float32, torch.device("cpu"))
+    assert ar._scratch(50, torch.float32, torch.device("cpu")).data_ptr() == buf.data_ptr()
+    assert ar._scratch(200, torch.float32, torch.device("cpu")).numel() == 200  # grows
+    ar.release_workspace()
+    assert not vars(ar._workspace)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_pairwise_step_equals_the_operator_per_tensor(dtype, monkeypatch):
+    """One local pair step over a flat buffer of many tensors equals ``adasum`` per tensor."""
     # small chunks so that large tensors span several chunks and small ones share one
     monkeypatch.setattr(ar, "CPU_CHUNK", 1000)
     monkeypatch.setattr(ar, "SMALL_TENSOR", 300)
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 2500, 299, 300, 1, 7, 1000, 3001, 0, 40, 40, 40]
+    offsets = [sum(counts[:i]) for i in range(len(counts) + 1)]
     a_parts = [torch.randn(c, generator=gen, dtype=torch.float64).to(dtype) for c in counts]
     b_parts = [torch.randn(c, generator=gen, dtype=torch.float64).to(dtype) for c in counts]
     b_parts[0] = a_parts[0].clone()  # identical
@@ -203,19 +221,23 @@ def test_pairwise_step_equals_the_operator_per_tensor(dtype, monkeypatch):
     b_parts[6] = -a_parts[6]  # anti-parallel
     a = torch.cat(a_parts)
     b = torch.cat(b_parts)
-    for left in (True, False):
+    results = []
+    for own_low in (True, False):
         own = a.clone()
-        ar._combine_pair(own, b, counts, left=left, comm=_LocalComm(), width=1)
-        offset = 0
-        for i, c in enumerate(counts):
-            # the lower half's data is "own" when left, the neighbour's otherwise: same coefficients
-            expected = adasum(a_parts[i], b_parts[i]) if left else adasum(b_parts[i], a_parts[i])
-            got = own[offset : offset + c]
-            assert rel_err(got, expected) <= REL_TOL[str(dtype)], (left, i, rel_err(got, expected))
-            offset += c
-        assert torch.equal(own[: counts[0]], a_parts[0])
-        assert torch.equal(own[sum(counts[:3]) : sum(counts[:4])], a_parts[3])
-        assert own[sum(counts[:6]) : sum(counts[:7])].abs().max() == 0
+        ar._local_pair(own, own, b, offsets, own_low=own_low)
+        results.append(own)
+        for i in range(len(counts)):
+            # operand order (lower block's data first) as both ranks of a pair compute it
+            expected = adasum(a_parts[i], b_parts[i]) if own_low else adasum(b_parts[i], a_parts[i])
+            got = own[offsets[i] : offsets[i + 1]]
+            assert rel_err(got, expected) <= REL_TOL[str(dtype)], (own_low, i, rel_err(got, expected))
+        assert torch.equal(own[: offsets[1]], a_parts[0])
+        assert torch.equal(own[offsets[3] : offsets[4]], a_parts[3])
+        assert own[offsets[6] : offsets[7]].abs().max() == 0
+    # the partner holding b computes bitwise the same from (b, a)
+    partner = b.clone()
+    ar._local_pair(partner, partner, a, offsets, own_low=False)
+    assert torch.equal(partner, results[0])
 
 
 def test_plan_covers_the_segment_in_order(monkeypatch):

@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import adasum_lightning.allreduce as ar
 from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.ops import ADASUM_NORM_EPS
 
 
 def large(rank: int) -> torch.Tensor:
-    """600,000 float32: more than two CPU chunks (2**18 elements) per rank's half at N = 2."""
+    """600,000 float32 (2.4 MB: vector halving): more than one pipelined piece and two CPU chunks (2**18
+    elements each) per rank's half at N = 2."""
     return torch.randn(600_000, generator=torch.Generator().manual_seed(7 + rank))
 
 
@@ -63,16 +65,22 @@ def cases(rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def all_cases_call(rank: int, group: dist.ProcessGroup | None = None) -> dict:
+def all_cases_call(rank: int, group: dist.ProcessGroup | None = None, halving: bool = False) -> dict:
     """One call with every case, dtypes interleaved (float64, float32, float16, bfloat16, float64, …: four
-    buckets); returns the order, the inputs and the outputs."""
+    buckets); returns the order, the inputs and the outputs. These buckets are small: they take the
+    whole-bucket exchange, unless ``halving`` forces Horovod's vector halving."""
     inputs = {str(dt): cases(rank, dt) for dt in DTYPES}
     order = [
         (dt, name) for name in inputs[str(torch.float64)] for dt in map(str, DTYPES) if name in inputs[dt]
     ]
     tensors = [inputs[dt][name].clone() for dt, name in order]
     strides_before = [t.stride() for t in tensors]
-    returned = adasum_allreduce(tensors, group=group)
+    saved = ar.HALVING_MIN_BYTES
+    ar.HALVING_MIN_BYTES = 0 if halving else saved
+    try:
+        returned = adasum_allreduce(tensors, group=group)
+    finally:
+        ar.HALVING_MIN_BYTES = saved
     return {
         "order": order,
         "inputs": inputs,
@@ -86,6 +94,7 @@ def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     result = {"rank": rank, "size": size, "world": all_cases_call(rank)}
+    result["world_halving"] = all_cases_call(rank, halving=True)
     # A single contiguous tensor (reduced in its own memory), passed as a tuple.
     result["single_input"] = large(rank)
     single = result["single_input"].clone()
@@ -106,7 +115,7 @@ def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
     result["prefix"] = {}
     for k in prefix_groups:
         group = dist.new_group(list(range(k)))
-        result["prefix"][k] = all_cases_call(rank, group) if rank < k else None
+        result["prefix"][k] = [all_cases_call(rank, group, h) for h in (False, True)] if rank < k else None
     dist.barrier()
     torch.save(result, out_dir / f"rank{rank}.pt")
     dist.destroy_process_group()

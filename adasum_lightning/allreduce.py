@@ -56,15 +56,11 @@ CPU_CHUNK: int = 1 << 18
 #: On other devices (GPU) one chunk is the whole segment, up to this many elements (bounds the float64
 #: scratch memory to 2 × 8 × 2**24 bytes = 256 MiB).
 DEVICE_CHUNK: int = 1 << 24
-#: On CPU, transfers of more than this many elements are split into up to :data:`PIPELINE_PIECES`
-#: messages (distinct tags), so that the dot products of the first pieces run while the next ones arrive,
-#: and the last level's combination is sent piece by piece while the next piece is computed. 0: off.
-PIPELINE_PIECE: int = 1 << 18
-PIPELINE_PIECES: int = 8
 #: Buckets of fewer bytes skip the vector halving: at each level the pair swaps whole buckets and both
-#: ranks compute the same combination (one message per level instead of three; each rank computes on
-#: the whole bucket). Same result; chosen for latency where messages are small.
-HALVING_MIN_BYTES: int = 1 << 20
+#: ranks compute the same combination (one message per level instead of three, twice the arithmetic;
+#: same result). Measured here (2 cores, Gloo over loopback TCP): faster up to 4 MB at N = 2 and 4,
+#: slower from 16 MB on.
+HALVING_MIN_BYTES: int = 4 << 20
 #: Tensors (parts of tensors) of fewer elements are batched with their neighbours into one chunk and
 #: reduced per tensor with ``segment_reduce``, instead of costing a few PyTorch ops each.
 SMALL_TENSOR: int = 1 << 12
@@ -176,31 +172,20 @@ class _Comm:
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(size)]
 
     def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped."""
-        self.start(peer, [] if send is None else [send], [] if recv is None else [recv]).wait_all()
+        """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped.
 
-    def start(
-        self, peer: int, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag0: int = 0
-    ) -> _Pending:
-        """Post sends and receives with group rank ``peer``; message ``k`` of each list has tag ``tag0 + k``.
-
-        Concurrent messages in one direction between one pair need distinct tags (Gloo matches by peer
-        and tag); the peer posts the matching list with the same tags.
+        At most one message per direction and pair is in flight (every exchange uses tag 0, and Gloo
+        matches messages by peer and tag). Each handle is waited once: a second ``wait()`` on a completed
+        Gloo receive blocks for ever.
         """
         ops = [
-            dist.P2POp(op, t, self.global_ranks[peer], self.group, tag=tag0 + k)
-            for op, tensors in ((dist.isend, sends), (dist.irecv, recvs))
-            for k, t in enumerate(tensors)
-            if t.numel() > 0
+            dist.P2POp(op, t, self.global_ranks[peer], self.group)
+            for op, t in ((dist.isend, send), (dist.irecv, recv))
+            if t is not None and t.numel() > 0
         ]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        recv_index = {}
-        i = sum(1 for t in sends if t.numel() > 0)
-        for k, t in enumerate(recvs):
-            if t.numel() > 0:
-                recv_index[k] = i
-                i += 1
-        return _Pending(works, recv_index if len(works) == len(ops) else None)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """Sum of ``values`` over the ``width`` (a power of 2) ranks ``q`` with ``q // width`` equal to ours.
@@ -220,41 +205,6 @@ class _Comm:
             values = values + theirs
             step <<= 1
         return values
-
-
-class _Pending:
-    """Handles of posted messages: wait for receive ``k`` alone (Gloo: one handle per message), or all.
-
-    Each handle is waited once: a second ``wait()`` on a completed Gloo receive blocks for ever.
-    """
-
-    def __init__(self, works: list, recv_index: dict[int, int] | None) -> None:
-        self.works: list = list(works)
-        self.recv_index = recv_index  # None: the backend coalesced the batch (NCCL): no per-message wait
-
-    def wait_recv(self, k: int) -> None:
-        if self.recv_index is None:
-            self.wait_all()
-        elif k in self.recv_index:
-            self._wait(self.recv_index[k])
-
-    def wait_all(self) -> None:
-        for i in range(len(self.works)):
-            self._wait(i)
-
-    def _wait(self, i: int) -> None:
-        work = self.works[i]
-        if work is not None:
-            work.wait()
-            self.works[i] = None
-
-
-def _pieces(lo: int, n: int, device: torch.device) -> list[tuple[int, int]]:
-    """``[lo, lo + n)`` as the ``(start, length)`` messages of one transfer (the peer computes the same)."""
-    if device.type != "cpu" or PIPELINE_PIECE <= 0 or n <= PIPELINE_PIECE:
-        return [(lo, n)]
-    size = max(PIPELINE_PIECE, -(-n // PIPELINE_PIECES))
-    return [(s, min(size, lo + n - s)) for s in range(lo, lo + n, size)]
 
 
 def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm) -> None:
@@ -342,38 +292,16 @@ def _halving_doubling(
         else:  # keep [lo + half, lo + n), give [lo, lo + half)
             keep_lo, keep_n, give_lo, give_n = lo + half, n - half, lo, half
         history.append((keep_lo, keep_n, give_lo, give_n))
-        keep = _pieces(keep_lo, keep_n, flat.device)
-        give = _pieces(give_lo, give_n, flat.device)
-        own = [flat[s : s + m] for s, m in keep]
-        theirs = [recv[s - keep_lo : s - keep_lo + m] for s, m in keep]
-        pending = comm.start(peer, [flat[s : s + m] for s, m in give], theirs)
-        # Dot products piece by piece as the pieces arrive (a: own data, b: the neighbour's).
-        plans = [_plan(_segment_counts(offsets, s, m), chunk) for s, m in keep]
-        grams = None
-        for k in range(len(keep)):
-            pending.wait_recv(k)
-            g = _local_grams(own[k], theirs[k], plans[k], num)
-            grams = g if grams is None else grams + g
-        pending.wait_all()  # our sends too: ``flat[give]`` is overwritten by the gather
+        a = flat[keep_lo : keep_lo + keep_n]  # own data
+        b = recv[:keep_n]  # the neighbour's data for the same elements
+        comm.exchange(peer, flat[give_lo : give_lo + give_n], b)
+        plan = _plan(_segment_counts(offsets, keep_lo, keep_n), chunk)
+        grams = _local_grams(a, b, plan, num)
         # Horovod's layout: [dot, ‖lower half's data‖², ‖upper half's data‖²], summed over the 2·d ranks.
         stats = comm.group_sum(grams[:, [1, 0, 3] if left else [1, 3, 0]].contiguous(), 2 * d)
-        coeffs = _coefficients(stats, left)
+        _scaled_add(a, a, b, plan, _coefficients(stats, left))
         lo, n = keep_lo, keep_n
         d <<= 1
-        if d < p or len(keep) == 1:
-            for k in range(len(keep)):
-                _scaled_add(own[k], own[k], theirs[k], plans[k], coeffs)
-        else:  # last level, several pieces (CPU only): send each combined piece at once (the first gather
-            # step) while combining the next; the receives of the neighbour's pieces are posted first.
-            # Not for NCCL, where a batch of receives alone would block the stream before our sends.
-            gather = comm.start(peer, [], [flat[s : s + m] for s, m in give])
-            sent = []
-            for k in range(len(keep)):
-                _scaled_add(own[k], own[k], theirs[k], plans[k], coeffs)
-                sent.append(comm.start(peer, [own[k]], [], tag0=k))
-            for pending in (*sent, gather):
-                pending.wait_all()
-            history.pop()  # its gather is done
     # Distance halving: swap the reduced segments back (history[i] is the level of distance 2**i).
     for i in reversed(range(len(history))):
         keep_lo, keep_n, give_lo, give_n = history[i]

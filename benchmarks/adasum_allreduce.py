@@ -58,10 +58,10 @@ def run_op(name: str, tensor: torch.Tensor, tag: str) -> None:
 def breakdown(source: torch.Tensor, rounds: int) -> dict:
     """Median seconds per part of ``adasum_allreduce`` over ``rounds`` instrumented calls.
 
-    ``exchange``: posting and waiting for the large messages; ``small_exchange``: the sums of the
-    per-tensor dot products over ranks (``group_sum``: its messages, and waiting for the partner to finish
-    its dot products); ``dots_float64`` / ``combine_float64``: the float64 dot products and combination
-    (conversions included); ``other``: the rest (packing, planning, Python).
+    ``exchange``: sending and receiving the large messages (waiting included); ``small_exchange``: the
+    sums of the per-tensor dot products over ranks (``group_sum``: its messages, and waiting for the
+    partner to finish its dot products); ``dots_float64`` / ``combine_float64``: the float64 dot products
+    and combination (conversions included); ``other``: the rest (packing, planning, Python).
     """
     parts = ("exchange", "small_exchange", "dots_float64", "combine_float64")
     acc = dict.fromkeys(parts, 0.0)
@@ -88,12 +88,11 @@ def breakdown(source: torch.Tensor, rounds: int) -> dict:
 
         return wrapper
 
-    orig = (ar._Comm.start, ar._Pending._wait, ar._Comm.group_sum, ar._local_grams, ar._scaled_add)
-    ar._Comm.start = timed(orig[0], "exchange")
-    ar._Pending._wait = timed(orig[1], "exchange")
-    ar._Comm.group_sum = small(orig[2])
-    ar._local_grams = timed(orig[3], "dots_float64")
-    ar._scaled_add = timed(orig[4], "combine_float64")
+    orig = (ar._Comm.exchange, ar._Comm.group_sum, ar._local_grams, ar._scaled_add)
+    ar._Comm.exchange = timed(orig[0], "exchange")
+    ar._Comm.group_sum = small(orig[1])
+    ar._local_grams = timed(orig[2], "dots_float64")
+    ar._scaled_add = timed(orig[3], "combine_float64")
     samples = []
     try:
         tensor = source.clone()
@@ -106,7 +105,7 @@ def breakdown(source: torch.Tensor, rounds: int) -> dict:
             total = time.perf_counter() - start
             samples.append({"total": total, **acc, "other": total - sum(acc.values())})
     finally:
-        ar._Comm.start, ar._Pending._wait, ar._Comm.group_sum, ar._local_grams, ar._scaled_add = orig
+        ar._Comm.exchange, ar._Comm.group_sum, ar._local_grams, ar._scaled_add = orig
     return {k: statistics.median(s[k] for s in samples) for k in (*parts, "other", "total")}
 
 

@@ -27,8 +27,7 @@ from adasum_lightning.ops import ADASUM_NORM_EPS
 
 
 def large(rank: int) -> torch.Tensor:
-    """600,000 float32 (2.4 MB: vector halving): more than one pipelined piece and two CPU chunks (2**18
-    elements each) per rank's half at N = 2."""
+    """600,000 float32 (2.4 MB): more than two CPU chunks (2**18 elements each) per rank at N = 2."""
     return torch.randn(600_000, generator=torch.Generator().manual_seed(7 + rank))
 
 
@@ -65,6 +64,16 @@ def cases(rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+def reduce(tensors, group: dist.ProcessGroup | None = None, halving: bool = False) -> list[torch.Tensor]:
+    """``adasum_allreduce``; ``halving`` forces Horovod's vector halving whatever the bucket size."""
+    saved = ar.HALVING_MIN_BYTES
+    ar.HALVING_MIN_BYTES = 0 if halving else saved
+    try:
+        return adasum_allreduce(tensors, group=group)
+    finally:
+        ar.HALVING_MIN_BYTES = saved
+
+
 def all_cases_call(rank: int, group: dist.ProcessGroup | None = None, halving: bool = False) -> dict:
     """One call with every case, dtypes interleaved (float64, float32, float16, bfloat16, float64, …: four
     buckets); returns the order, the inputs and the outputs. These buckets are small: they take the
@@ -75,12 +84,7 @@ def all_cases_call(rank: int, group: dist.ProcessGroup | None = None, halving: b
     ]
     tensors = [inputs[dt][name].clone() for dt, name in order]
     strides_before = [t.stride() for t in tensors]
-    saved = ar.HALVING_MIN_BYTES
-    ar.HALVING_MIN_BYTES = 0 if halving else saved
-    try:
-        returned = adasum_allreduce(tensors, group=group)
-    finally:
-        ar.HALVING_MIN_BYTES = saved
+    returned = reduce(tensors, group, halving)
     return {
         "order": order,
         "inputs": inputs,
@@ -95,13 +99,15 @@ def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     result = {"rank": rank, "size": size, "world": all_cases_call(rank)}
     result["world_halving"] = all_cases_call(rank, halving=True)
-    # A single contiguous tensor (reduced in its own memory), passed as a tuple.
+    # A single contiguous tensor (reduced in its own memory), passed as a tuple; both paths.
     result["single_input"] = large(rank)
-    single = result["single_input"].clone()
-    ptr = single.data_ptr()
-    ret = adasum_allreduce((single,))
-    result["single"] = single
-    result["single_same_memory"] = single.data_ptr() == ptr and ret[0] is single
+    result["single"], result["single_same_memory"] = [], []
+    for halving in (False, True):
+        single = result["single_input"].clone()
+        ptr = single.data_ptr()
+        ret = reduce((single,), halving=halving)
+        result["single"].append(single)
+        result["single_same_memory"].append(single.data_ptr() == ptr and ret[0] is single)
     # A sub-group: ranks 1 … size-1 (rank 0 is not a member; it calls too and nothing happens).
     sub = dist.new_group(list(range(1, size)))
     sub_tensors = [
@@ -142,14 +148,17 @@ def horovod(out_dir: Path) -> None:
         (dt, name): hvd.allreduce(inputs[dt][name].contiguous(), op=hvd.Adasum, name=f"{dt}.{name}")
         for dt, name in order
     }
-    tensors = [inputs[dt][name].clone() for dt, name in order]
-    adasum_allreduce(tensors)
+    ours = {}
+    for path in ("exchange", "halving"):  # the float32 bucket is 2.4 MB: whole-bucket exchange by default
+        tensors = [inputs[dt][name].clone() for dt, name in order]
+        reduce(tensors, halving=path == "halving")
+        ours[path] = {key: t for key, t in zip(order, tensors, strict=True)}
     result = {
         "rank": rank,
         "size": size,
         "inputs": inputs,
         "horovod": horovod_out,
-        "ours": {key: t for key, t in zip(order, tensors, strict=True)},
+        "ours": ours,
         "eps": ADASUM_NORM_EPS,
     }
     torch.save(result, out_dir / f"rank{rank}.pt")

@@ -18,10 +18,12 @@ Algorithm, per flat bucket of same-dtype, same-device tensors (tensor boundaries
 3. Distance halving back (``d = P/2 … 1``): the pairs swap their segments until every rank of
    ``0 … P-1`` holds the whole result; then ranks ``r - P`` send it to ranks ``r``.
 
-Buckets under :data:`HALVING_MIN_BYTES` skip the halving in step 2 (recursive doubling): at each level the
-pair swaps whole buckets and both ranks compute ``adasum(lower block's, upper block's)`` on whole tensors
-with the same operand order, so both hold bitwise the same result. One message per level instead of
-Horovod's three (halves, dot products, gather) at the price of twice the arithmetic; same result.
+Small buckets (``bytes × log2 P ≤`` :data:`TREE_MAX_BYTES`) replace steps 2 and 3 by a binomial
+tree: at levels ``d = 1, 2, 4, …`` rank ``q + d`` (``q`` a multiple of ``2·d``) sends its whole bucket
+to rank ``q``, which computes ``adasum(x[q], x[q + d])`` on whole tensors; rank 0 then sends the result
+back down the tree. Same pairing order, one round trip per level instead of Horovod's three (halves,
+dot products, gather); as in Horovod every element of the result is computed by one rank only, so all
+ranks hold the same bits whatever their thread counts or CPUs.
 
 The result is :func:`adasum_lightning.ops.adasum_reduce` of the ranks' tensors (same pairing order);
 float32 results match Horovod's own Adasum allreduce to ≤ 1 ulp.
@@ -56,11 +58,13 @@ CPU_CHUNK: int = 1 << 18
 #: On other devices (GPU) one chunk is the whole segment, up to this many elements (bounds the float64
 #: scratch memory to 2 × 8 × 2**24 bytes = 256 MiB).
 DEVICE_CHUNK: int = 1 << 24
-#: Buckets of fewer bytes skip the vector halving: at each level the pair swaps whole buckets and both
-#: ranks compute the same combination (one message per level instead of three, twice the arithmetic;
-#: same result). Measured here (2 cores, Gloo over loopback TCP): faster up to 4 MB at N = 2 and 4,
-#: slower from 16 MB on.
-HALVING_MIN_BYTES: int = 4 << 20
+#: Buckets with ``bytes × log2(P)`` up to this take the binomial tree (module docstring) instead of the
+#: vector halving: fewer synchronisations, but every level moves whole buckets, one way at a time, and the
+#: arithmetic on the tree's path is ``log2(P)`` whole-bucket combinations. Measured here (2 shared cores,
+#: Gloo over loopback TCP; ``benchmarks/adasum_allreduce.py`` variants, median ms, tree vs halving):
+#: N = 2: 4 KB 1.2 vs 3.0, 1 MB 4.2 vs 6.2, 16 MB 26–30 vs 36–38, 64 MB 96 vs 81; N = 4: 4 KB 5.5 vs
+#: 14, 4 MB 21–32 vs 29–91, 16 MB 84 vs 94.
+TREE_MAX_BYTES: int = 16 << 20
 #: Tensors (parts of tensors) of fewer elements are batched with their neighbours into one chunk and
 #: reduced per tensor with ``segment_reduce``, instead of costing a few PyTorch ops each.
 SMALL_TENSOR: int = 1 << 12
@@ -83,15 +87,15 @@ def adasum_allreduce(
 
     The algorithm (module docstring) is Horovod 0.28.1's vector-halving / distance-doubling Adasum
     (``horovod/common/ops/adasum/adasum.h``; operator from Maleki et al., "Scaling Distributed Training
-    with Adaptive Summation", MLSys 2021) on ``torch.distributed.batch_isend_irecv``. float32 results
-    match Horovod's ``hvd.allreduce(op=hvd.Adasum)`` to ≤ 1 ulp; float64 to ~1e-15 relative (summation
-    order).
+    with Adaptive Summation", MLSys 2021) on ``torch.distributed.batch_isend_irecv``, or for small buckets
+    a binomial tree with the same pairing. float32 results match Horovod's
+    ``hvd.allreduce(op=hvd.Adasum)`` to ≤ 1 ulp; float64 to ~1e-15 relative (summation order).
 
     Tensors are packed into one flat buffer per (dtype, device), tensor boundaries kept; a bucket of a
     single contiguous tensor is reduced in that tensor's own memory. Buffers are kept for the next call
     per thread, dtype and device, like Horovod's fusion buffer (fresh memory costs a page fault per 4 KiB):
-    the receive buffer (half the largest bucket, or all of it for small buckets and when ``N`` is not a
-    power of 2), the packed bucket when it holds several tensors, and float64 work space (6 MiB on CPU);
+    the receive buffer (half the largest bucket, or all of it for the tree and when ``N`` is not a power
+    of 2), the packed bucket when it holds several tensors, and float64 work space (6 MiB on CPU);
     :func:`release_workspace` frees them.
 
     Args:
@@ -245,32 +249,45 @@ def _reduce_flat(flat: torch.Tensor, counts: list[int], comm: _Comm) -> None:
     for c in counts:
         offsets.append(offsets[-1] + c)
     has_extra = rank + p < size
-    halving = total * flat.element_size() >= HALVING_MIN_BYTES
+    halving = total * flat.element_size() * (p.bit_length() - 1) > TREE_MAX_BYTES
     recv = _scratch(total if has_extra or not halving else (total + 1) // 2, flat.dtype, flat.device)
     if has_extra:  # fold x[rank + p] in: adasum(x[rank], x[rank + p]) on whole tensors, computed here
         comm.exchange(rank + p, None, recv)
-        _local_pair(flat, flat, recv, offsets, own_low=True)
+        _local_pair(flat, recv, offsets)
     if halving:
         _halving_doubling(flat, recv, offsets, comm, p)
     else:
-        d = 1
-        while d < p:  # whole buckets: both ranks compute adasum(lower block's, upper block's)
-            comm.exchange(rank ^ d, flat, recv[:total])
-            _local_pair(flat, flat, recv[:total], offsets, own_low=(rank & d) == 0)
-            d <<= 1
+        _binomial_tree(flat, recv[:total], offsets, comm, p)
     if has_extra:
         comm.exchange(rank + p, flat, None)
 
 
-def _local_pair(out: torch.Tensor, own: torch.Tensor, other: torch.Tensor, offsets: list[int], own_low: bool):
-    """``out := adasum(low, high)`` per tensor over whole tensors, ``(low, high)`` = ``(own, other)`` when
-    ``own_low`` else ``(other, own)``. Both ranks of a pair compute with the same operand order, so their
-    results are bitwise identical."""
-    low, high = (own, other) if own_low else (other, own)
+def _binomial_tree(flat: torch.Tensor, recv: torch.Tensor, offsets: list[int], comm: _Comm, p: int) -> None:
+    """Reduce whole buckets up a binomial tree to rank 0 (pairs as in Horovod's order), broadcast back."""
+    rank = comm.rank
+    d = 1
+    while d < p:
+        if rank & d:  # the upper block's holder: hand it to the lower one, wait for the result below
+            comm.exchange(rank - d, flat, None)
+            break
+        comm.exchange(rank + d, None, recv)
+        _local_pair(flat, recv, offsets)
+        d <<= 1
+    d = p >> 1
+    while d >= 1:
+        if rank % (2 * d) == 0:
+            comm.exchange(rank + d, flat, None)
+        elif rank % (2 * d) == d:
+            comm.exchange(rank - d, None, flat)
+        d >>= 1
+
+
+def _local_pair(low: torch.Tensor, high: torch.Tensor, offsets: list[int]) -> None:
+    """``low := adasum(low, high)`` per tensor (boundaries ``offsets``), on whole tensors, in this rank."""
     counts = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
-    plan = _plan(counts, CPU_CHUNK if out.device.type == "cpu" else DEVICE_CHUNK)
+    plan = _plan(counts, CPU_CHUNK if low.device.type == "cpu" else DEVICE_CHUNK)
     grams = _local_grams(low, high, plan, len(counts))
-    _scaled_add(out, low, high, plan, _coefficients(grams[:, [1, 0, 3]], left=True))
+    _scaled_add(low, high, plan, _coefficients(grams[:, [1, 0, 3]], left=True))
 
 
 def _halving_doubling(
@@ -299,7 +316,7 @@ def _halving_doubling(
         grams = _local_grams(a, b, plan, num)
         # Horovod's layout: [dot, ‖lower half's data‖², ‖upper half's data‖²], summed over the 2·d ranks.
         stats = comm.group_sum(grams[:, [1, 0, 3] if left else [1, 3, 0]].contiguous(), 2 * d)
-        _scaled_add(a, a, b, plan, _coefficients(stats, left))
+        _scaled_add(a, b, plan, _coefficients(stats, left))
         lo, n = keep_lo, keep_n
         d <<= 1
     # Distance halving: swap the reduced segments back (history[i] is the level of distance 2**i).
@@ -394,13 +411,8 @@ def _coefficients(stats: torch.Tensor, left: bool) -> torch.Tensor:
     return torch.stack([c_low, c_up] if left else [c_up, c_low], dim=1)
 
 
-def _scaled_add(
-    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: list, coeffs: torch.Tensor
-) -> None:
-    """``out := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``out.dtype``.
-
-    ``out`` may be ``a`` or ``b`` (each chunk is read before it is written).
-    """
+def _scaled_add(a: torch.Tensor, b: torch.Tensor, plan: list, coeffs: torch.Tensor) -> None:
+    """``a := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``a.dtype``."""
     device = a.device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = _scratch(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
@@ -415,4 +427,4 @@ def _scaled_add(
         else:
             ce = coeffs[ids].repeat_interleave(torch.tensor(lengths, device=device), dim=0, output_size=e - s)
             torch.sum(m.t() * ce, dim=1, out=y)
-        out[s:e].copy_(y)
+        a[s:e].copy_(y)

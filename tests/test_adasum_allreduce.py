@@ -104,14 +104,14 @@ def test_equals_the_reference_on_every_rank(np, prefix_groups, tmp_path):
     run_torchrun(np, "gloo", str(tmp_path), *map(str, prefix_groups))
     ranks = load_ranks(tmp_path, np)
     assert [(res["rank"], res["size"]) for res in ranks] == [(r, np) for r in range(np)]
-    check_all_cases([res["world"] for res in ranks])  # small buckets: whole-bucket exchange
-    check_all_cases([res["world_halving"] for res in ranks])  # the same, forced through vector halving
+    for path in (0, 1):  # binomial tree, vector halving
+        check_all_cases([res["world"][path] for res in ranks])
     for k in prefix_groups:
         for path in (0, 1):
             check_all_cases([res["prefix"][k][path] for res in ranks[:k]])
         assert all(res["prefix"][k] is None for res in ranks[k:])
     for r, res in enumerate(ranks):
-        # the multi-chunk float32 tensor alone, reduced in its own memory (whole-bucket path, halving)
+        # the multi-chunk float32 tensor alone, reduced in its own memory (binomial tree, halving)
         expected = adasum_reduce([ranks[k]["single_input"] for k in range(np)])
         for path in (0, 1):
             assert res["single_same_memory"][path]
@@ -134,9 +134,9 @@ def test_equals_horovods_adasum(np, tmp_path):
     run_horovod(np, "adasum_allreduce", "horovod", str(tmp_path))
     ranks = load_ranks(tmp_path, np)
     worst = {"torch.float32": 0, "torch.float64": 0.0}
-    differing = {"exchange": 0, "halving": 0}  # float32 elements ≠ Horovod's (rank 0)
+    differing = {"tree": 0, "halving": 0}  # float32 elements ≠ Horovod's (rank 0)
     for r, res in enumerate(ranks):
-        for path, (dt, name) in ((p, key) for p in ("exchange", "halving") for key in res["ours"][p]):
+        for path, (dt, name) in ((p, key) for p in ("tree", "halving") for key in res["ours"][p]):
             ours = res["ours"][path][(dt, name)]
             theirs = res["horovod"][(dt, name)]
             assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
@@ -226,23 +226,17 @@ def test_pairwise_step_equals_the_operator_per_tensor(dtype, monkeypatch):
     b_parts[6] = -a_parts[6]  # anti-parallel
     a = torch.cat(a_parts)
     b = torch.cat(b_parts)
-    results = []
-    for own_low in (True, False):
-        own = a.clone()
-        ar._local_pair(own, own, b, offsets, own_low=own_low)
-        results.append(own)
+    for low, high, parts in ((a, b, (a_parts, b_parts)), (b, a, (b_parts, a_parts))):
+        out = low.clone()
+        ar._local_pair(out, high, offsets)
         for i in range(len(counts)):
-            # operand order (lower block's data first) as both ranks of a pair compute it
-            expected = adasum(a_parts[i], b_parts[i]) if own_low else adasum(b_parts[i], a_parts[i])
-            got = own[offsets[i] : offsets[i + 1]]
-            assert rel_err(got, expected) <= REL_TOL[str(dtype)], (own_low, i, rel_err(got, expected))
-        assert torch.equal(own[: offsets[1]], a_parts[0])
-        assert torch.equal(own[offsets[3] : offsets[4]], a_parts[3])
-        assert own[offsets[6] : offsets[7]].abs().max() == 0
-    # the partner holding b computes bitwise the same from (b, a)
-    partner = b.clone()
-    ar._local_pair(partner, partner, a, offsets, own_low=False)
-    assert torch.equal(partner, results[0])
+            expected = adasum(parts[0][i], parts[1][i])
+            got = out[offsets[i] : offsets[i + 1]]
+            assert rel_err(got, expected) <= REL_TOL[str(dtype)], (i, rel_err(got, expected))
+        assert torch.equal(out[: offsets[1]], a_parts[0])  # identical: unchanged
+        assert out[offsets[6] : offsets[7]].abs().max() == 0  # anti-parallel: cancel
+        # one side zero: the other side unchanged
+        assert torch.equal(out[offsets[3] : offsets[4]], a_parts[3])
 
 
 def test_plan_covers_the_segment_in_order(monkeypatch):

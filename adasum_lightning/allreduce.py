@@ -61,10 +61,10 @@ DEVICE_CHUNK: int = 1 << 24
 #: Buckets with ``bytes × log2(P)`` up to this take the binomial tree (module docstring) instead of the
 #: vector halving: fewer synchronisations, but every level moves whole buckets, one way at a time, and the
 #: arithmetic on the tree's path is ``log2(P)`` whole-bucket combinations. Measured here (2 shared cores,
-#: Gloo over loopback TCP; ``benchmarks/adasum_allreduce.py`` variants, median ms, tree vs halving):
-#: N = 2: 4 KB 1.2 vs 3.0, 1 MB 4.2 vs 6.2, 16 MB 26–30 vs 36–38, 64 MB 96 vs 81; N = 4: 4 KB 5.5 vs
-#: 14, 4 MB 21–32 vs 29–91, 16 MB 84 vs 94.
-TREE_MAX_BYTES: int = 16 << 20
+#: Gloo over loopback TCP, N = 2, float32, medians of interleaved rounds, tree vs halving): 512 KB 1.5 vs
+#: 2.2–2.5 ms, 4 MB 6.8–7.7 vs 8.0–8.9, 8 MB 12.4–13.3 vs 12.4–14.8, 16 MB 23.6–23.8 vs 22.2–22.4,
+#: 64 MB 93 vs 80. (With 4 processes on the 2 cores the tree stayed ahead up to 16 MB.)
+TREE_MAX_BYTES: int = 8 << 20
 #: Tensors (parts of tensors) of fewer elements are batched with their neighbours into one chunk and
 #: reduced per tensor with ``segment_reduce``, instead of costing a few PyTorch ops each.
 SMALL_TENSOR: int = 1 << 12

@@ -335,8 +335,10 @@ def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list
     """Work chunks over a segment whose tensors have ``counts`` elements in it.
 
     Returns ``(start, stop, tensor_ids, lengths)`` per chunk, in order: a part of one large tensor (one
-    id), or a run of whole small tensor parts (several ids, ``lengths`` their elements).
+    id), or a run of whole small tensor parts (several ids, ``lengths`` their elements). A run ends once it
+    reaches ``min(chunk, 2**18)`` elements: its per-element products take 32 bytes each.
     """
+    run_limit = min(chunk, 1 << 18)
     chunks = []
     start = 0
     run_ids: list[int] = []
@@ -365,7 +367,7 @@ def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list
             run_ids.append(i)
             run_lengths.append(c)
             start += c
-            if start - run_start >= chunk:
+            if start - run_start >= run_limit:
                 flush()
                 run_start = start
     flush()

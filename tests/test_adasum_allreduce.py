@@ -46,6 +46,7 @@ def run_torchrun(np: int, *args: str, timeout: float = 120) -> None:
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |out - expected| / max |expected| (the absolute difference where ``expected`` is all zeros)."""
     scale = expected.double().abs().max().item() if expected.numel() else 0.0
     diff = (out.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
     return diff / scale if scale > 0 else diff
@@ -271,6 +272,14 @@ def test_segment_counts():
     assert ar._segment_counts(offsets, 2, 6) == [1, 0, 5, 0]
     assert ar._segment_counts(offsets, 10, 2) == [0, 0, 0, 2]
     assert ar._segment_counts(offsets, 5, 0) == [0, 0, 0, 0]
+
+
+def test_float32_ulps_counts_representable_steps():
+    x = torch.tensor([1.0, -3.5, 0.0, 1e-40, -0.0], dtype=torch.float32)
+    up = torch.nextafter(x, torch.full_like(x, float("inf")))
+    assert float32_ulps(x, up).tolist() == [1, 1, 1, 1, 1]
+    assert float32_ulps(x, torch.nextafter(up, torch.full_like(x, float("inf")))).tolist() == [2] * 5
+    assert float32_ulps(torch.tensor([0.0]), torch.tensor([-0.0])).tolist() == [0]
 
 
 def test_norm_threshold_is_horovods():

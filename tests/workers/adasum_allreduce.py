@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -68,7 +69,9 @@ DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 PATHS = ("tree", "halving")
 
 
-def reduce(tensors, path: str, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+def reduce(
+    tensors: Sequence[torch.Tensor], path: str, group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
     """``adasum_allreduce`` forced through the binomial tree or Horovod's vector halving, whatever the
     bucket sizes."""
     saved = ar.TREE_MAX_BYTES

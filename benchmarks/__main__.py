@@ -1,7 +1,8 @@
 """``python -m benchmarks [--quick] [--only PART,...]``: run the benchmarks and write the results.
 
 Parts, in order: ``study`` (real processes), ``simulated`` (validation + N = 8 … 64), ``overhead``
-(Lightning vs raw Horovod loop), ``allreduce`` (Adasum vs Average vs Sum), ``memory`` (peak RSS), then
+(Lightning vs raw Horovod loop), ``allreduce`` (Adasum vs Average vs Sum; ``adasum_allreduce`` over Gloo
+vs Horovod's Adasum), ``memory`` (peak RSS), then
 ``report`` (``docs/benchmarks.md`` and its PNGs). ``make bench`` runs everything with :data:`FULL`;
 ``make bench-quick`` runs :data:`QUICK` into ``benchmarks/results/quick/`` (the docs are left alone; its
 report goes to ``benchmarks/results/quick/report.md``).
@@ -111,13 +112,25 @@ def overhead(cfg: dict, out_dir: Path) -> dict:
 
 
 def allreduce(cfg: dict, out_dir: Path) -> dict:
-    results = []
-    for n in tqdm(cfg["allreduce_sizes"], desc="allreduce", unit="job"):
-        out = out_dir / "runs" / f"allreduce_n{n}.json"
-        args = ["benchmarks.allreduce", str(out), "--sizes-kb", ",".join(map(str, cfg["allreduce_kb"]))]
-        horovodrun(n, args, log=logs_for(out_dir) / f"allreduce_n{n}.log")
-        results.append({**json.loads(out.read_text()), "command": command_line(n, args)})
-    return {"jobs": results}
+    """Horovod's Adasum vs Average vs Sum (``jobs``), then ``adasum_allreduce`` over Gloo vs Horovod's
+    Adasum vs Gloo's sum (``adasum_allreduce_jobs``, with a time breakdown at N = 2)."""
+    sizes = ",".join(map(str, cfg["allreduce_kb"]))
+    results, ours = [], []
+    jobs = [(n, part) for part in ("horovod_ops", "adasum_allreduce") for n in cfg["allreduce_sizes"]]
+    for n, part in tqdm(jobs, desc="allreduce", unit="job"):
+        if part == "horovod_ops":
+            out = out_dir / "runs" / f"allreduce_n{n}.json"
+            args = ["benchmarks.allreduce", str(out), "--sizes-kb", sizes]
+        else:
+            out = out_dir / "runs" / f"adasum_allreduce_n{n}.json"
+            args = ["benchmarks.adasum_allreduce", str(out), "--sizes-kb", sizes]
+            if n == 2:
+                args += ["--breakdown-kb", str(max(cfg["allreduce_kb"]))]
+        horovodrun(n, args, log=logs_for(out_dir) / f"{out.stem}.log")
+        (results if part == "horovod_ops" else ours).append(
+            {**json.loads(out.read_text()), "command": command_line(n, args)}
+        )
+    return {"jobs": results, "adasum_allreduce_jobs": ours}
 
 
 def memory(cfg: dict, out_dir: Path, root: str) -> dict:

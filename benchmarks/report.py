@@ -415,6 +415,8 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             ]
         _allreduce_plot(ared, fig_dir / f"{prefix}allreduce.png")
         md += [f"![allreduce ratio]({prefix}allreduce.png)", ""]
+    if ared and ared.get("adasum_allreduce_jobs"):
+        md += _adasum_allreduce_section(ared["adasum_allreduce_jobs"])
     if mem:
         md += [
             "### Peak memory per process (RSS)",
@@ -445,6 +447,68 @@ def write_report(directory: Path, quick: bool = False) -> Path:
         text += "\n" + notes.read_text()
     path.write_text(text)
     return path
+
+
+def _size_label(size: int) -> str:
+    return f"{size // 2**20} MB" if size >= 2**20 else f"{size // 2**10} KB"
+
+
+def _adasum_allreduce_section(jobs: list[dict]) -> list[str]:
+    """Tables of ``benchmarks/adasum_allreduce.py``: ours (Gloo) vs Horovod's MPI Adasum vs Gloo's sum."""
+    md = [
+        "### Adasum allreduce on torch.distributed (Gloo) vs Horovod's MPI Adasum (float32, CPU)",
+        "",
+        "`adasum_lightning.allreduce.adasum_allreduce` over a Gloo process group created beside Horovod in "
+        "the same processes, Horovod's in-place Adasum allreduce over MPI, and Gloo's own `all_reduce` (sum: "
+        "the transport alone) on the same per-rank inputs, in interleaved rounds after a barrier "
+        "(`benchmarks/adasum_allreduce.py`, medians).",
+        "",
+    ]
+    for job in jobs:
+        rows = []
+        for r in job["results"]:
+            m = r["median_s"]
+            rows.append(
+                [
+                    _size_label(r["size_bytes"]),
+                    r["rounds"],
+                    f"{1e3 * m['ours']:.3f}",
+                    f"{1e3 * m['horovod_adasum']:.3f}",
+                    f"{1e3 * m['gloo_sum']:.3f}",
+                    f"**{r['ours_over_horovod']:.2f}**",
+                    f"{r['ours_over_gloo_sum']:.2f}",
+                ]
+            )
+        md += [
+            f"{job['world_size']} processes:",
+            "",
+            _table(
+                [
+                    "size",
+                    "rounds",
+                    "ours ms",
+                    "Horovod Adasum ms",
+                    "Gloo sum ms",
+                    "ours/Horovod",
+                    "ours/Gloo sum",
+                ],
+                rows,
+            ),
+            "",
+        ]
+        if "breakdown" in job:
+            b = job["breakdown"]
+            parts = ["exchange", "small_exchange", "dots_float64", "combine_float64", "other", "total"]
+            md += [
+                f"Where our time goes at {_size_label(b['size_bytes'])}, {job['world_size']} processes "
+                f"(median of {b['rounds']} instrumented calls, ms): large messages (posting and waiting), "
+                "the dot-product sums across ranks (with waiting for the partner), float64 dot products, "
+                "float64 combination, the rest.",
+                "",
+                _table(parts, [[f"{1e3 * b['median_s'][k]:.2f}" for k in parts]]),
+                "",
+            ]
+    return md
 
 
 def _allreduce_plot(ared: dict, path: Path) -> None:

@@ -4,7 +4,8 @@ usage:
   torchrun --standalone --nproc-per-node N -m tests.workers.adasum_allreduce gloo OUT_DIR [K ...]
       a Gloo process group of N ranks: one call over the default group with every case (four dtypes, so
       four buckets), one call with a single contiguous tensor, one over the sub-group of ranks 1 … N-1
-      (rank 0 is no member and calls too), and for each K one with every case over ranks 0 … K-1.
+      (rank 0 is no member and calls too), and for each K one with every case over ranks 0 … K-1; the
+      calls with every case and the single tensor run through both paths (binomial tree and halving).
   horovodrun -np N python -m tests.workers.adasum_allreduce horovod OUT_DIR
       Horovod plus a Gloo group of the same ranks: Horovod's own Adasum allreduce per tensor, then
       ``adasum_allreduce`` of the same inputs in one call.
@@ -16,17 +17,19 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import adasum_lightning.allreduce as ar
 from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.ops import ADASUM_NORM_EPS
 
 
 def large(rank: int) -> torch.Tensor:
-    """600,000 float32: more than two CPU chunks (2**18 elements) per rank's half at N = 2."""
+    """600,000 float32 (2.4 MB): more than two CPU chunks (2**18 elements each) per rank at N = 2."""
     return torch.randn(600_000, generator=torch.Generator().manual_seed(7 + rank))
 
 
@@ -63,16 +66,32 @@ def cases(rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def all_cases_call(rank: int, group: dist.ProcessGroup | None = None) -> dict:
+PATHS = ("tree", "halving")
+
+
+def reduce(
+    tensors: Sequence[torch.Tensor], path: str, group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """``adasum_allreduce`` forced through the binomial tree or Horovod's vector halving, whatever the
+    bucket sizes."""
+    saved = ar.TREE_MAX_BYTES
+    ar.TREE_MAX_BYTES = {"tree": 1 << 62, "halving": 0}[path]
+    try:
+        return adasum_allreduce(tensors, group=group)
+    finally:
+        ar.TREE_MAX_BYTES = saved
+
+
+def all_cases_call(rank: int, path: str, group: dist.ProcessGroup | None = None) -> dict:
     """One call with every case, dtypes interleaved (float64, float32, float16, bfloat16, float64, …: four
-    buckets); returns the order, the inputs and the outputs."""
+    buckets) through ``path``; returns the order, the inputs and the outputs."""
     inputs = {str(dt): cases(rank, dt) for dt in DTYPES}
     order = [
         (dt, name) for name in inputs[str(torch.float64)] for dt in map(str, DTYPES) if name in inputs[dt]
     ]
     tensors = [inputs[dt][name].clone() for dt, name in order]
     strides_before = [t.stride() for t in tensors]
-    returned = adasum_allreduce(tensors, group=group)
+    returned = reduce(tensors, path, group)
     return {
         "order": order,
         "inputs": inputs,
@@ -85,14 +104,16 @@ def all_cases_call(rank: int, group: dist.ProcessGroup | None = None) -> dict:
 def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    result = {"rank": rank, "size": size, "world": all_cases_call(rank)}
-    # A single contiguous tensor (reduced in its own memory), passed as a tuple.
+    result = {"rank": rank, "size": size, "world": [all_cases_call(rank, path) for path in PATHS]}
+    # A single contiguous tensor (reduced in its own memory), passed as a tuple; both paths.
     result["single_input"] = large(rank)
-    single = result["single_input"].clone()
-    ptr = single.data_ptr()
-    ret = adasum_allreduce((single,))
-    result["single"] = single
-    result["single_same_memory"] = single.data_ptr() == ptr and ret[0] is single
+    result["single"], result["single_same_memory"] = [], []
+    for path in PATHS:
+        single = result["single_input"].clone()
+        ptr = single.data_ptr()
+        ret = reduce((single,), path)
+        result["single"].append(single)
+        result["single_same_memory"].append(single.data_ptr() == ptr and ret[0] is single)
     # A sub-group: ranks 1 … size-1 (rank 0 is not a member; it calls too and nothing happens).
     sub = dist.new_group(list(range(1, size)))
     sub_tensors = [
@@ -100,13 +121,13 @@ def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
         cases(rank, torch.float32)["random_7"].clone(),
     ]
     result["sub_inputs"] = [t.clone() for t in sub_tensors]
-    adasum_allreduce(sub_tensors, group=sub)
+    adasum_allreduce(sub_tensors, group=sub)  # the default path
     result["sub_outputs"] = sub_tensors
     # Groups of the first k ranks: world sizes k < size within one launch (every rank creates each group).
     result["prefix"] = {}
     for k in prefix_groups:
         group = dist.new_group(list(range(k)))
-        result["prefix"][k] = all_cases_call(rank, group) if rank < k else None
+        result["prefix"][k] = [all_cases_call(rank, path, group) for path in PATHS] if rank < k else None
     dist.barrier()
     torch.save(result, out_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -133,14 +154,17 @@ def horovod(out_dir: Path) -> None:
         (dt, name): hvd.allreduce(inputs[dt][name].contiguous(), op=hvd.Adasum, name=f"{dt}.{name}")
         for dt, name in order
     }
-    tensors = [inputs[dt][name].clone() for dt, name in order]
-    adasum_allreduce(tensors)
+    ours = {}
+    for path in PATHS:
+        tensors = [inputs[dt][name].clone() for dt, name in order]
+        reduce(tensors, path)
+        ours[path] = {key: t for key, t in zip(order, tensors, strict=True)}
     result = {
         "rank": rank,
         "size": size,
         "inputs": inputs,
         "horovod": horovod_out,
-        "ours": {key: t for key, t in zip(order, tensors, strict=True)},
+        "ours": ours,
         "eps": ADASUM_NORM_EPS,
     }
     torch.save(result, out_dir / f"rank{rank}.pt")

@@ -86,7 +86,7 @@ if [ "$install" = 0 ]; then echo "$wheel"; exit 0; fi
 
 step "installing $(basename "$wheel")"
 "$py" -m pip install -q --force-reinstall --no-deps "$wheel"
-"$py" -m pip install -q cloudpickle psutil pyyaml packaging
+"$py" -m pip install -q cloudpickle psutil pyyaml packaging cffi
 bindir=$(dirname "$("$py" -c 'import sys; print(sys.executable)')")
 check=$("$bindir/horovodrun" --check-build)
 echo "$check" | grep -q '\[X\] PyTorch' || die "Horovod was built without PyTorch:\n$check"

@@ -86,6 +86,7 @@ def test_without_sync_batchnorm_each_rank_keeps_its_own_statistics(tmp_path):
     assert not torch.allclose(mean0, mean1)
 
 
+@pytest.mark.compat
 # ---------------------------------------------------------------- 2, 3: bool and non-contiguous state
 @pytest.mark.parametrize("strategy", HOROVOD)
 def test_bool_buffer_trains_and_equals_rank_zeros(strategy, tmp_path):
@@ -120,6 +121,7 @@ def test_bf16_true_is_refused_before_any_step_naming_bf16_mixed(strategy, tmp_pa
     assert_every_rank_says(proc, 2, message)
 
 
+@pytest.mark.compat
 # ---------------------------------------------------------------- 5: all_gather with gradients
 @pytest.mark.parametrize("strategy", HOROVOD)
 def test_all_gather_with_gradients_sums_them_like_ddp(strategy, tmp_path):
@@ -131,6 +133,7 @@ def test_all_gather_with_gradients_sums_them_like_ddp(strategy, tmp_path):
         assert torch.equal(res["w_grads"][0], torch.tensor([2.0 * (r + 1)]))
 
 
+@pytest.mark.compat
 # ---------------------------------------------------------------- 6: torchmetrics with list states
 @pytest.mark.parametrize("strategy", HOROVOD)
 @pytest.mark.parametrize("kwargs", [False, True], ids=["plain", "horovod_sync_kwargs"])
@@ -159,6 +162,7 @@ def test_lbfgs_is_refused_by_horovod_adasum_before_any_step(tmp_path):
     assert_every_rank_says(proc, 2, expected_message(check_closure_optimizers, "horovod_adasum", ["LBFGS"]))
 
 
+@pytest.mark.compat
 def test_lbfgs_trains_identically_under_horovod_averaging(tmp_path):
     crossrank(tmp_path, "lbfgs", "horovod")
     ranks = load_ranks(tmp_path, 2)
@@ -167,6 +171,7 @@ def test_lbfgs_trains_identically_under_horovod_averaging(tmp_path):
     assert not torch.equal(ranks[0]["end"]["head.weight"], ranks[0]["start"]["head.weight"])
 
 
+@pytest.mark.compat
 # ---------------------------------------------------------------- 7: SIGTERM to rank 0
 @pytest.mark.parametrize("strategy", HOROVOD)
 def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_path):

@@ -11,7 +11,7 @@ from tests.helpers import (
 )
 from tests.workers.tiny import tiny_net  # noqa: E402
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.compat]
 
 
 @pytest.mark.parametrize("np", [2, 4])

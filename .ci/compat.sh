@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make test-compat: the strategy, validation and multi-process tests in an environment of their own, against
 # another supported Lightning release, reusing the cached Horovod wheel.
-#   bash .ci/compat.sh NAME "LIGHTNING PIP SPEC" PACKAGE [PYTHON]
+#   bash .ci/compat.sh NAME "LIGHTNING PIP SPEC" PACKAGE [PYTHON [PYTEST ARGS...]]
 #     NAME     environment .venv-compat-NAME
 #     SPEC     e.g. "pytorch-lightning==2.4.0" or "lightning==2.6.6"
 #     PACKAGE  the package the tests import: pytorch_lightning or lightning.pytorch (ADASUM_TEST_PACKAGE)
@@ -9,6 +9,7 @@
 # pass also shows that the strategies import and train with the package's install_requires alone.
 set -euo pipefail
 name=$1 spec=$2 package=$3 py=${4:-python3}
+shift $(( $# < 4 ? $# : 4 ))
 venv=".venv-compat-$name"
 step() { echo "[compat:$name] $*"; }
 SECONDS=0
@@ -37,5 +38,5 @@ step "environment ready in ${SECONDS}s:" $("$venv/bin/python" -m pip list --disa
 ADASUM_TEST_PACKAGE=$package ADASUM_PLAIN_INSTALL=1 "$venv/bin/python" -m pytest -ra -p no:cacheprovider \
   -m "not mpi or compat" \
   tests/test_strategy.py tests/test_validation.py tests/test_compat.py tests/test_packages.py \
-  tests/test_mpi.py tests/test_mpi_hard.py tests/test_crossrank.py tests/test_ddp_adasum.py
+  tests/test_mpi.py tests/test_mpi_hard.py tests/test_crossrank.py tests/test_ddp_adasum.py "$@"
 step "done in ${SECONDS}s"

@@ -26,8 +26,12 @@ ADASUM_NORM_EPS: float = math.sqrt(sys.float_info.min)
 
 
 def is_power_of_two(n: int) -> bool:
-    """True when ``n`` is 1, 2, 4, 8, … (``n`` an int ≥ 1)."""
-    return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
+    """True for 1, 2, 4, 8, …; False for 0, negatives and anything not an ``int`` (``bool`` included).
+
+    The project's one definition: the rules (:mod:`adasum_lightning.validation`), the Azure ML launcher and
+    the simulator use it.
+    """
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
 
 
 def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

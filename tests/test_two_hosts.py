@@ -1,7 +1,7 @@
 """Jobs across two hosts on this machine (``tests/twohosts.py``: network namespaces hostA and hostB).
 
 Horovod (``horovodrun``/``mpirun``, the MNIST example under ``horovod_adasum``) with even and uneven
-placement, torchrun with Lightning's ``ddp`` (the stand-in for a coming ``ddp_adasum``), and a host lost
+placement, torchrun with ``ddp_adasum``, and a host lost
 in the middle of training for both launchers, with the settings of ``adasum_lightning.launch_settings``.
 Every rank's view is checked. Root only (skipped elsewhere, with the reason).
 """
@@ -240,8 +240,8 @@ def start_torchrun(hosts, out: Path, *worker_args: str, args=()) -> dict[str, su
     return procs
 
 
-def test_torchrun_ddp_across_two_hosts(two_hosts, tmp_path):
-    procs = start_torchrun(two_hosts, tmp_path, "--strategy", "ddp", "--epochs", "2")
+def test_torchrun_ddp_adasum_across_two_hosts(two_hosts, tmp_path):
+    procs = start_torchrun(two_hosts, tmp_path, "--strategy", "ddp_adasum", "--epochs", "2")
     for host, proc in procs.items():
         proc.wait(timeout=330)
         log = read_log(tmp_path / f"torchrun-{host}.log")
@@ -257,7 +257,7 @@ def test_torchrun_ddp_across_two_hosts(two_hosts, tmp_path):
         assert int(env["GROUP_RANK"]) == node and env["LOCAL_WORLD_SIZE"] == "2", r
         assert (trainer["world_size"], trainer["num_nodes"], trainer["num_devices"]) == (4, 2, 2), r
         assert (res["dist"]["world_size"], res["dist"]["backend"]) == (4, "gloo"), r
-        assert (res["strategy"], res["environment"]) == ("DDPStrategy", "TorchElasticEnvironment"), r
+        assert (res["strategy"], res["environment"]) == ("DDPAdasumStrategy", "TorchElasticEnvironment"), r
         assert trainer["global_step"] == 8, r  # 64 samples / 4 ranks / batch 4 × 2 epochs
     # one node rank per host, 0 and 1 (which host gets 0 is the rendezvous' choice)
     assert sorted(nodes) == ["hostA", "hostB"], nodes
@@ -271,15 +271,16 @@ def test_torchrun_ddp_across_two_hosts(two_hosts, tmp_path):
 
 
 def test_lost_host_ends_a_torchrun_job(two_hosts, tmp_path):
-    """The link to hostB goes down mid-training under torchrun + ``ddp``: with the process-group timeout
-    ``DDP_PROCESS_GROUP_TIMEOUT``, ``TORCHRUN_FAULT_ARGS`` and ``net.ipv4.tcp_retries2 = TCP_RETRIES2`` on
-    both hosts, every process on both hosts is gone within 60 s and both torchrun agents exit non-zero."""
+    """The link to hostB goes down mid-training under torchrun + ``ddp_adasum``: with the process-group
+    timeout ``DDP_PROCESS_GROUP_TIMEOUT``, ``TORCHRUN_FAULT_ARGS`` and ``net.ipv4.tcp_retries2 =
+    TCP_RETRIES2`` on both hosts, every process on both hosts is gone within 60 s and both torchrun agents
+    exit non-zero."""
     hosts = two_hosts
     for host in twohosts.HOSTS:
         check(hosts.run(host, *tcp_retries2_sysctl()), f"sysctl on {host}")
         assert hosts.run(host, "sysctl", "-n", "net.ipv4.tcp_retries2").stdout.strip() == str(TCP_RETRIES2)
     timeout = str(DDP_PROCESS_GROUP_TIMEOUT.total_seconds())
-    worker_args = ["--strategy", "ddp", "--epochs", "100000", "--pg-timeout", timeout]
+    worker_args = ["--strategy", "ddp_adasum", "--epochs", "100000", "--pg-timeout", timeout]
     procs = start_torchrun(hosts, tmp_path, *worker_args, args=TORCHRUN_FAULT_ARGS)
     try:
         wait_for_training(tmp_path, 4, procs)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from adasum_lightning import launch_settings
+from adasum_lightning.ops import is_power_of_two
 
 
 class AmlUsageError(ValueError):
@@ -213,11 +214,6 @@ def option_values(args: Sequence[str], name: str) -> list[str]:
         elif arg == name and i + 1 < len(args):
             values.append(args[i + 1])
     return values
-
-
-def is_power_of_two(n: int) -> bool:
-    """True for 1, 2, 4, 8, …; False for 0, negatives and non-integers (``bool`` included)."""
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
 
 
 def lookup_vm_size(name: str) -> VmSize:

@@ -182,7 +182,8 @@ class UnwrappedDDPStrategy(DDPStrategy):
         """Rules on the Trainer's settings and the module, checked when fitting sets up, before any step."""
         assert self.model is not None
         sync_layers = [name for name, m in self.model.named_modules() if isinstance(m, SyncBatchNorm)]
-        validation.check_sync_batchnorm(self.root_device.type, self._layer_sync is not None, sync_layers)
+        requested = _compat.layer_sync(self) is not None
+        validation.check_sync_batchnorm(self.root_device.type, requested, sync_layers)
 
     @override
     def configure_ddp(self) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "sync_module_states",
     "lightning_optimizers",
     "unwrap_lightning_optimizer",
+    "layer_sync",
     "has_sigterm_agreement",
     "is_horovod_adasum_optimizer",
     "horovod_completes_window",
@@ -66,7 +67,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "pytorch_lightning.strategies.strategy",
         "Strategy",
         "pytorch-lightning 2.4.0, 2.6.6",
-        attributes=("self._lightning_optimizers",),
+        attributes=("self._lightning_optimizers", "self._optimizers", "self._launcher"),
+    ),
+    PrivateApi(
+        "pytorch_lightning.strategies.parallel",
+        "ParallelStrategy",
+        "pytorch-lightning 2.4.0, 2.6.6",
+        attributes=("self._parallel_devices", "self._layer_sync"),
     ),
     PrivateApi(
         "pytorch_lightning.core.optimizer",
@@ -140,6 +147,11 @@ sync_module_states: Callable[[Any], None] = _sync_module_states
 def lightning_optimizers(strategy: Any) -> list[Any]:
     """The ``LightningOptimizer`` wrappers a strategy keeps next to ``strategy.optimizers``."""
     return list(strategy._lightning_optimizers)
+
+
+def layer_sync(strategy: Any) -> Any:
+    """The layer synchronisation the Trainer gave the strategy (``sync_batchnorm=True``), else None."""
+    return strategy._layer_sync
 
 
 def unwrap_lightning_optimizer(optimizer: Any) -> Optimizer:

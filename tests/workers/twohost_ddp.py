@@ -3,7 +3,7 @@ what it saw to ``OUT_DIR/rank{r}.pt``.
 
 usage: python -m tests.workers.twohost_ddp OUT_DIR [--strategy NAME] [--epochs N] [--pg-timeout S]
 
-``--strategy`` is a name from Lightning's strategy registry (``ddp`` now; ``ddp_adasum`` once it exists).
+``--strategy`` is a name from Lightning's strategy registry (``ddp_adasum``, or e.g. Lightning's ``ddp``).
 ``--pg-timeout S`` builds the strategy with ``timeout=timedelta(seconds=S)`` (the process group's
 timeout: how long a collective waits for a lost peer). The Trainer gets ``accelerator="cpu",
 devices=LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE`` from torchrun's variables.
@@ -48,7 +48,7 @@ def build_strategy(name: str, pg_timeout: float | None):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--strategy", default="ddp_adasum")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--pg-timeout", type=float, default=None)

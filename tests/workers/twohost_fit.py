@@ -20,6 +20,8 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
+from adasum_lightning.launch_settings import MPI_FAULT_SETTINGS
+
 
 class Progress(pl.Callback):
     """After every training batch, ``OUT_DIR/step-rank{r}`` holds this rank's global step."""
@@ -48,7 +50,7 @@ def record(cli) -> dict:
         "cross_size": hvd.cross_size(),
         "homogeneous": hvd.mpi_ops._basics.is_homogeneous(),
         "ompi": {k: v for k, v in os.environ.items() if k.startswith("OMPI_COMM_WORLD")},
-        "mca_env": {k: v for k, v in os.environ.items() if k.startswith("OMPI_MCA_oob_tcp_keepalive")},
+        "mca_env": {k: v for k, v in os.environ.items() if k.removeprefix("OMPI_MCA_") in MPI_FAULT_SETTINGS},
         # the process that started this rank: mpirun on the first host, an orted daemon on the others
         "parent": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(),
         "trainer": {

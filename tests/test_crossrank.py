@@ -40,6 +40,8 @@ from tests.workers.lightning import adasum_strategies
 pytestmark = pytest.mark.mpi
 
 HOROVOD = ["horovod_adasum", "horovod"]
+#: The same, with horovod_adasum also in `make test-compat` (each compat run of a row costs a job launch).
+HOROVOD_COMPAT = [pytest.param("horovod_adasum", marks=pytest.mark.compat), "horovod"]
 
 
 def crossrank(tmp_path: Path, case: str, strategy: str, *args: str, check: bool = True, timeout: float = 180):
@@ -86,9 +88,8 @@ def test_without_sync_batchnorm_each_rank_keeps_its_own_statistics(tmp_path):
     assert not torch.allclose(mean0, mean1)
 
 
-@pytest.mark.compat
 # ---------------------------------------------------------------- 2, 3: bool and non-contiguous state
-@pytest.mark.parametrize("strategy", HOROVOD)
+@pytest.mark.parametrize("strategy", HOROVOD_COMPAT)
 def test_bool_buffer_trains_and_equals_rank_zeros(strategy, tmp_path):
     crossrank(tmp_path, "mask", strategy)
     ranks = load_ranks(tmp_path, 2)
@@ -121,9 +122,8 @@ def test_bf16_true_is_refused_before_any_step_naming_bf16_mixed(strategy, tmp_pa
     assert_every_rank_says(proc, 2, message)
 
 
-@pytest.mark.compat
 # ---------------------------------------------------------------- 5: all_gather with gradients
-@pytest.mark.parametrize("strategy", HOROVOD)
+@pytest.mark.parametrize("strategy", HOROVOD_COMPAT)
 def test_all_gather_with_gradients_sums_them_like_ddp(strategy, tmp_path):
     crossrank(tmp_path, "gather", strategy, "--steps", "1")
     ranks = load_ranks(tmp_path, 2)
@@ -133,9 +133,8 @@ def test_all_gather_with_gradients_sums_them_like_ddp(strategy, tmp_path):
         assert torch.equal(res["w_grads"][0], torch.tensor([2.0 * (r + 1)]))
 
 
-@pytest.mark.compat
 # ---------------------------------------------------------------- 6: torchmetrics with list states
-@pytest.mark.parametrize("strategy", HOROVOD)
+@pytest.mark.parametrize("strategy", HOROVOD_COMPAT)
 @pytest.mark.parametrize("kwargs", [False, True], ids=["plain", "horovod_sync_kwargs"])
 def test_torchmetrics_list_states_are_computed_over_every_rank(strategy, kwargs, tmp_path):
     crossrank(tmp_path, "metrics", strategy, *(["--pass-horovod-sync-kwargs"] if kwargs else []))
@@ -171,9 +170,8 @@ def test_lbfgs_trains_identically_under_horovod_averaging(tmp_path):
     assert not torch.equal(ranks[0]["end"]["head.weight"], ranks[0]["start"]["head.weight"])
 
 
-@pytest.mark.compat
 # ---------------------------------------------------------------- 7: SIGTERM to rank 0
-@pytest.mark.parametrize("strategy", HOROVOD)
+@pytest.mark.parametrize("strategy", HOROVOD_COMPAT)
 def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_path):
     if not adasum_strategies._compat.has_sigterm_agreement():
         pytest.skip(

@@ -76,9 +76,8 @@ def assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-5, atol
             )
 
 
-@pytest.mark.compat
 # ---------------------------------------------------------------- launched by Lightning and by torchrun
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", [pytest.param(2, marks=pytest.mark.compat), 4])
 def test_lightning_launches_the_processes_and_ranks_stay_identical(np, tmp_path):
     run_lightning(np, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--scheduler", "step", "--lr", "0.05")
     ranks = load_ranks(tmp_path, np)

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from pytorch_lightning.accelerators import Accelerator
-from pytorch_lightning.plugins.precision import Precision
-from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -66,30 +61,7 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
     """
 
     strategy_name = "ddp_adasum"
-
-    def __init__(
-        self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: str = "popen",
-        lr_scaling: str | float = "auto",
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            lr_scaling=lr_scaling,
-        )
+    # __init__: UnwrappedDDPStrategy's (the arguments above)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override

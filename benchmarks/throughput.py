@@ -1,12 +1,17 @@
-"""Training throughput of Lightning + ``horovod_adasum`` vs a raw Horovod loop (the seed script's logic).
+"""Training throughput: Lightning + ``horovod_adasum`` vs a raw Horovod loop (the seed script's logic), and
+Lightning + ``ddp_adasum`` vs Lightning + ``horovod_adasum``.
 
-Same processes, model (the example's :class:`MNISTNet`), batch (64 per process), data (the example's
+Same model (the example's :class:`MNISTNet`), batch (64 per process), data (the example's
 :class:`MNISTDataModule`: torchvision MNIST, per-image ``ToTensor`` + ``Normalize``, a
-``DistributedSampler`` shard per rank) and optimizer (SGD lr 0.01, momentum 0.5, wrapped in
-``hvd.DistributedOptimizer(op=hvd.Adasum)``). One epoch; rank 0 times the steps from batch ``--skip``
-(fetched) to the end of the last step and writes steps/s to a JSON file.
+``DistributedSampler`` shard per rank, the same shuffling seed) and optimizer (SGD lr 0.01, momentum 0.5).
+``raw``: the seed's loop with ``hvd.DistributedOptimizer(op=hvd.Adasum)``; ``lightning``:
+``Trainer(strategy="horovod_adasum")`` (both under ``horovodrun -np N``); ``ddp_adasum``:
+``Trainer(strategy="ddp_adasum", devices=N)`` started as one plain process, Lightning starting the other
+N − 1. One epoch; rank 0 times the steps from batch ``--skip`` (fetched) to the end of the last step and
+writes steps/s to a JSON file.
 
-usage: python -m benchmarks.throughput OUT.json --impl raw|lightning [--skip K] [--seed S]
+usage: python -m benchmarks.throughput OUT.json --impl raw|lightning [--skip K] [--seed S]  (horovodrun)
+       python -m benchmarks.throughput OUT.json --impl ddp_adasum --devices N [--skip K] [--seed S]
 """
 
 from __future__ import annotations
@@ -58,8 +63,10 @@ def raw_loop(skip: int, seed: int) -> tuple[int, float]:
     return steps, time.perf_counter() - start
 
 
-def lightning_loop(skip: int, seed: int) -> tuple[int, float]:
-    """The same epoch through ``Trainer(strategy="horovod_adasum")``: returns (timed steps, seconds)."""
+def lightning_loop(
+    skip: int, seed: int, strategy: str = "horovod_adasum", devices: int = 1
+) -> tuple[int, float]:
+    """The same epoch through ``Trainer(strategy=strategy, devices=devices)``: (timed steps, seconds)."""
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
 
@@ -79,9 +86,9 @@ def lightning_loop(skip: int, seed: int) -> tuple[int, float]:
 
     pl.seed_everything(seed, verbose=False)
     trainer = pl.Trainer(
-        strategy="horovod_adasum",
+        strategy=strategy,
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         max_epochs=1,
         limit_val_batches=0,
         logger=False,
@@ -97,17 +104,33 @@ def lightning_loop(skip: int, seed: int) -> tuple[int, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--impl", choices=["raw", "lightning"], required=True)
+    p.add_argument("--impl", choices=["raw", "lightning", "ddp_adasum"], required=True)
+    p.add_argument("--devices", type=int, default=1, help="ddp_adasum: processes Lightning runs")
     p.add_argument("--skip", type=int, default=10, help="untimed warm-up steps")
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    steps, seconds = (raw_loop if args.impl == "raw" else lightning_loop)(args.skip, args.seed)
-    per_rank = hvd.allgather_object((steps, seconds))
-    if hvd.rank() == 0:
+    if args.impl == "raw":
+        steps, seconds = raw_loop(args.skip, args.seed)
+    elif args.impl == "lightning":
+        steps, seconds = lightning_loop(args.skip, args.seed)
+    else:
+        steps, seconds = lightning_loop(args.skip, args.seed, "ddp_adasum", args.devices)
+    if args.impl == "ddp_adasum":
+        import torch.distributed as dist
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        per_rank = [None] * size
+        dist.all_gather_object(per_rank, (steps, seconds))
+    else:
+        rank, size = hvd.rank(), hvd.size()
+        per_rank = hvd.allgather_object((steps, seconds))
+    if rank == 0:
         result = {
             "impl": args.impl,
-            "world_size": hvd.size(),
+            "strategy": {"raw": None, "lightning": "horovod_adasum"}.get(args.impl, args.impl),
+            "launcher": "lightning" if args.impl == "ddp_adasum" else "horovodrun",
+            "world_size": size,
             "steps": steps,
             "seconds": seconds,
             "steps_per_s": steps / seconds,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -92,7 +93,9 @@ EXTRA_PARTS = ["study_ddp"]
 
 
 def _ratios(runs: list[dict], sizes: list[int], num: str, den: str) -> list[dict]:
-    """Per size: medians of steps/s of ``num`` and ``den`` runs, their ratio, and the ratio per pair."""
+    """Per size: steps/s of the ``num`` and ``den`` runs, the ratio of their medians, the ratio per pair (runs
+    back to back, so each pair shares the machine's load of the moment) and the median of those, and the ratio
+    of the best runs (the least disturbed by other work)."""
     summary = []
     for n in sizes:
         a = [r["steps_per_s"] for r in runs if r["world_size"] == n and r["impl"] == num]
@@ -106,9 +109,24 @@ def _ratios(runs: list[dict], sizes: list[int], num: str, den: str) -> list[dict
                 f"{den}_steps_per_s_median": statistics.median(b),
                 "ratio_of_medians": statistics.median(a) / statistics.median(b),
                 "ratio_per_pair": [x / y for x, y in zip(a, b, strict=True)],
+                "median_of_pair_ratios": statistics.median(x / y for x, y in zip(a, b, strict=True)),
+                "ratio_of_best": max(a) / max(b),
+                f"{num}_cpu_ms_per_step_median": _median_cpu(runs, n, num),
+                f"{den}_cpu_ms_per_step_median": _median_cpu(runs, n, den),
             }
         )
     return summary
+
+
+def _median_cpu(runs: list[dict], n: int, impl: str) -> float | None:
+    """Median over runs and ranks of the CPU milliseconds per step of one process (all its threads)."""
+    values = [
+        c
+        for r in runs
+        if r["world_size"] == n and r["impl"] == impl
+        for c in r.get("cpu_ms_per_step_per_rank", [])
+    ]
+    return statistics.median(values) if values else None
 
 
 def throughput(cfg: dict, out_dir: Path) -> dict:
@@ -124,6 +142,7 @@ def throughput(cfg: dict, out_dir: Path) -> dict:
     for n, i, impl in tqdm(jobs, desc="throughput", unit="run"):
         out = out_dir / "runs" / f"throughput_{impl}_n{n}.json"
         log = logs_for(out_dir) / f"throughput_{impl}_n{n}_r{i}.log"
+        load = os.getloadavg()
         args = ["benchmarks.throughput", str(out), "--impl", impl]
         if impl == "ddp_adasum":
             args += ["--devices", str(n)]
@@ -132,7 +151,8 @@ def throughput(cfg: dict, out_dir: Path) -> dict:
         else:
             wall = horovodrun(n, args, log=log)
             command = command_line(n, args)
-        runs.append({**json.loads(out.read_text()), "repeat": i, "job_wall_s": wall, "command": command})
+        record = {"repeat": i, "job_wall_s": wall, "loadavg_before": load, "command": command}
+        runs.append({**json.loads(out.read_text()), **record})
     return {"runs": runs, "summary": _ratios(runs, cfg["throughput_sizes"], "ddp_adasum", "lightning")}
 
 
@@ -148,10 +168,10 @@ def overhead(cfg: dict, out_dir: Path) -> dict:
     for n, i, impl in tqdm(jobs, desc="overhead", unit="run"):
         out = out_dir / "runs" / f"overhead_{impl}_n{n}.json"
         args = ["benchmarks.throughput", str(out), "--impl", impl]
+        load = os.getloadavg()
         wall = horovodrun(n, args, log=logs_for(out_dir) / f"overhead_{impl}_n{n}_r{i}.log")
-        runs.append(
-            {**json.loads(out.read_text()), "repeat": i, "job_wall_s": wall, "command": command_line(n, args)}
-        )
+        record = {"repeat": i, "job_wall_s": wall, "loadavg_before": load, "command": command_line(n, args)}
+        runs.append({**json.loads(out.read_text()), **record})
     return {"runs": runs, "summary": _ratios(runs, cfg["overhead_sizes"], "lightning", "raw")}
 
 

@@ -377,7 +377,11 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             "process with `devices=N`, Lightning's launcher starting the others (Gloo); `horovod_adasum` "
             "under `horovodrun -np N` (MPI, `--mca mpi_yield_when_idle 1`, and its Gloo group beside "
             "Horovod). One thread per process. Runs alternate ddp, hvd, hvd, ddp, ddp, hvd, … per N; "
-            "the ratio is ddp_adasum / horovod_adasum.",
+            "the ratios are ddp_adasum / horovod_adasum: of the medians, the median of the ratios of "
+            "back-to-back pairs (each pair shares the machine's load of the moment), and of the best runs "
+            "(the least disturbed by other work). CPU ms per step and process: median over runs and ranks of "
+            "`time.process_time()` (all threads of the process, Horovod's background thread included) over "
+            "the timed steps.",
             "",
             _table(
                 [
@@ -385,9 +389,12 @@ def write_report(directory: Path, quick: bool = False) -> Path:
                     "ddp_adasum steps/s (median)",
                     "horovod_adasum steps/s (median)",
                     "ratio of medians",
+                    "median of pair ratios",
+                    "ratio of best runs",
                     "ratio per pair",
                     "ddp_adasum steps/s, each run",
                     "horovod_adasum steps/s, each run",
+                    "CPU ms per step and process, ddp / hvd",
                 ],
                 [
                     [
@@ -395,9 +402,12 @@ def write_report(directory: Path, quick: bool = False) -> Path:
                         f"{s_['ddp_adasum_steps_per_s_median']:.1f}",
                         f"{s_['lightning_steps_per_s_median']:.1f}",
                         f"**{s_['ratio_of_medians']:.3f}**",
+                        _opt(s_, "median_of_pair_ratios"),
+                        _opt(s_, "ratio_of_best"),
                         ", ".join(f"{x:.3f}" for x in s_["ratio_per_pair"]),
                         ", ".join(f"{x:.1f}" for x in s_["ddp_adasum_steps_per_s"]),
                         ", ".join(f"{x:.1f}" for x in s_["lightning_steps_per_s"]),
+                        _cpu_pair(s_, "ddp_adasum", "lightning"),
                     ]
                     for s_ in thr["summary"]
                 ],
@@ -414,7 +424,7 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             "the end of the epoch. Runs alternate Lightning, raw, Lightning, raw, … "
             "(`benchmarks/throughput.py`). The strategy runs a Gloo process group beside Horovod for "
             "Lightning's own collectives (among them Lightning's per-step SIGTERM broadcast); the raw loop "
-            "has none.",
+            "has none. Ratios and CPU time as in the table above.",
             "",
             _table(
                 [
@@ -422,7 +432,12 @@ def write_report(directory: Path, quick: bool = False) -> Path:
                     "Lightning steps/s (median)",
                     "raw steps/s (median)",
                     "ratio of medians",
+                    "median of pair ratios",
+                    "ratio of best runs",
                     "ratio per pair",
+                    "Lightning steps/s, each run",
+                    "raw steps/s, each run",
+                    "CPU ms per step and process, Lightning / raw",
                 ],
                 [
                     [
@@ -430,7 +445,12 @@ def write_report(directory: Path, quick: bool = False) -> Path:
                         f"{s['lightning_steps_per_s_median']:.1f}",
                         f"{s['raw_steps_per_s_median']:.1f}",
                         f"**{s['ratio_of_medians']:.3f}**",
+                        _opt(s, "median_of_pair_ratios"),
+                        _opt(s, "ratio_of_best"),
                         ", ".join(f"{x:.3f}" for x in s["ratio_per_pair"]),
+                        ", ".join(f"{x:.1f}" for x in s.get("lightning_steps_per_s", [])),
+                        ", ".join(f"{x:.1f}" for x in s.get("raw_steps_per_s", [])),
+                        _cpu_pair(s, "lightning", "raw"),
                     ]
                     for s in over["summary"]
                 ],
@@ -578,6 +598,15 @@ def _ddp_study_section(real: dict, target: float) -> list[str]:
             "",
         ]
     return md
+
+
+def _cpu_pair(summary: dict, a: str, b: str) -> str:
+    x, y = summary.get(f"{a}_cpu_ms_per_step_median"), summary.get(f"{b}_cpu_ms_per_step_median")
+    return "—" if x is None or y is None else f"{x:.1f} / {y:.1f}"
+
+
+def _opt(summary: dict, key: str) -> str:
+    return f"{summary[key]:.3f}" if key in summary else "—"
 
 
 def _timings_lines(timings: dict) -> list[str]:

@@ -1,17 +1,21 @@
 """``python -m benchmarks [--quick] [--only PART,...]``: run the benchmarks and write the results.
 
-Parts, in order: ``study`` (real processes), ``simulated`` (validation + N = 8 … 64), ``overhead``
-(Lightning vs raw Horovod loop), ``allreduce`` (Adasum vs Average vs Sum; ``adasum_allreduce`` over Gloo
-vs Horovod's Adasum), ``memory`` (peak RSS), then
-``report`` (``docs/benchmarks.md`` and its PNGs). ``make bench`` runs everything with :data:`FULL`;
-``make bench-quick`` runs :data:`QUICK` into ``benchmarks/results/quick/`` (the docs are left alone; its
-report goes to ``benchmarks/results/quick/report.md``).
+Parts, in order: ``study`` (real processes; ``horovod_adasum``, ``ddp_adasum`` and averaging),
+``simulated`` (validation + N = 8 … 64), ``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s),
+``overhead`` (Lightning vs raw Horovod loop), ``allreduce`` (Adasum vs Average vs Sum; ``adasum_allreduce``
+over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report`` (``docs/benchmarks.md`` and its
+PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum`` rows, with ``horovod_adasum``
+re-run beside them, merged into an existing ``study_real.json``). ``make bench`` runs everything with
+:data:`FULL`; ``make bench-quick`` runs :data:`QUICK` into ``benchmarks/results/quick/`` (the docs are left
+alone; its report goes to ``benchmarks/results/quick/report.md``). Each part's wall time is merged into
+``timings.json`` (latest run of each part, with its date).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +28,7 @@ from benchmarks.common import (
     command_line,
     environment,
     horovodrun,
+    lightning_launch,
     logs_for,
     prepared_root,
     write_results,
@@ -46,8 +51,11 @@ FULL = {
     "sim_average_factors": ["xN", "xsqrtN"],
     "sim_xN_seeds": 1,
     "sim_adasum_factors": ["x1", "x2"],
+    "ddp_sizes": [2, 4],
+    "throughput_sizes": [2, 4],
+    "throughput_repeats": 4,
     "overhead_sizes": [2, 4],
-    "overhead_repeats": 2,
+    "overhead_repeats": 3,
     "allreduce_sizes": [2, 4],
     "allreduce_kb": [4 * 2**i for i in range(15)],
     "memory_sizes": [2, 4],
@@ -69,6 +77,8 @@ QUICK = {
     "sim_seeds": [0],
     "sim_epochs": 1,
     "sim_average_factors": ["xN"],
+    "throughput_sizes": [2],
+    "throughput_repeats": 1,
     "overhead_sizes": [2],
     "overhead_repeats": 1,
     "allreduce_sizes": [2],
@@ -77,38 +87,92 @@ QUICK = {
     "memory_batches": 50,
 }
 
-PARTS = ["study", "simulated", "overhead", "allreduce", "memory", "report"]
+PARTS = ["study", "simulated", "throughput", "overhead", "allreduce", "memory", "report"]
+#: Parts run only when named in ``--only``.
+EXTRA_PARTS = ["study_ddp"]
+
+
+def _ratios(runs: list[dict], sizes: list[int], num: str, den: str) -> list[dict]:
+    """Per size: steps/s of the ``num`` and ``den`` runs, the ratio of their medians, the ratio per pair (runs
+    back to back, so each pair shares the machine's load of the moment) and the median of those, and the ratio
+    of the best runs (the least disturbed by other work)."""
+    summary = []
+    for n in sizes:
+        a = [r["steps_per_s"] for r in runs if r["world_size"] == n and r["impl"] == num]
+        b = [r["steps_per_s"] for r in runs if r["world_size"] == n and r["impl"] == den]
+        summary.append(
+            {
+                "np": n,
+                f"{num}_steps_per_s": a,
+                f"{den}_steps_per_s": b,
+                f"{num}_steps_per_s_median": statistics.median(a),
+                f"{den}_steps_per_s_median": statistics.median(b),
+                "ratio_of_medians": statistics.median(a) / statistics.median(b),
+                "ratio_per_pair": [x / y for x, y in zip(a, b, strict=True)],
+                "median_of_pair_ratios": statistics.median(x / y for x, y in zip(a, b, strict=True)),
+                "ratio_of_best": max(a) / max(b),
+                f"{num}_cpu_ms_per_step_median": _median_cpu(runs, n, num),
+                f"{den}_cpu_ms_per_step_median": _median_cpu(runs, n, den),
+            }
+        )
+    return summary
+
+
+def _median_cpu(runs: list[dict], n: int, impl: str) -> float | None:
+    """Median over runs and ranks of the CPU milliseconds per step of one process (all its threads)."""
+    values = [
+        c
+        for r in runs
+        if r["world_size"] == n and r["impl"] == impl
+        for c in r.get("cpu_ms_per_step_per_rank", [])
+    ]
+    return statistics.median(values) if values else None
+
+
+def throughput(cfg: dict, out_dir: Path) -> dict:
+    """Lightning + ddp_adasum (Lightning's launcher, ``devices=N``) vs Lightning + horovod_adasum
+    (``horovodrun -np N``), same model, data and seed; interleaved D, H, H, D, D, H, … per size (the order
+    alternates, so that a trend in the machine's load hits both alike)."""
+    runs = []
+    jobs = []
+    for n in cfg["throughput_sizes"]:
+        for i in range(cfg["throughput_repeats"]):
+            pair = ("ddp_adasum", "lightning") if i % 2 == 0 else ("lightning", "ddp_adasum")
+            jobs += [(n, i, impl) for impl in pair]
+    for n, i, impl in tqdm(jobs, desc="throughput", unit="run"):
+        out = out_dir / "runs" / f"throughput_{impl}_n{n}.json"
+        log = logs_for(out_dir) / f"throughput_{impl}_n{n}_r{i}.log"
+        load = os.getloadavg()
+        args = ["benchmarks.throughput", str(out), "--impl", impl]
+        if impl == "ddp_adasum":
+            args += ["--devices", str(n)]
+            wall = lightning_launch(args, log=log)
+            command = command_line(n, args, "lightning")
+        else:
+            wall = horovodrun(n, args, log=log)
+            command = command_line(n, args)
+        record = {"repeat": i, "job_wall_s": wall, "loadavg_before": load, "command": command}
+        runs.append({**json.loads(out.read_text()), **record})
+    return {"runs": runs, "summary": _ratios(runs, cfg["throughput_sizes"], "ddp_adasum", "lightning")}
 
 
 def overhead(cfg: dict, out_dir: Path) -> dict:
     """Lightning + horovod_adasum vs the raw Horovod loop, interleaved: L, R, L, R, … per size."""
     runs = []
     jobs = [
-        (n, impl)
+        (n, i, impl)
         for n in cfg["overhead_sizes"]
-        for _ in range(cfg["overhead_repeats"])
+        for i in range(cfg["overhead_repeats"])
         for impl in ("lightning", "raw")
     ]
-    for n, impl in tqdm(jobs, desc="overhead", unit="run"):
-        out = out_dir / "runs" / f"throughput_{impl}_n{n}.json"
+    for n, i, impl in tqdm(jobs, desc="overhead", unit="run"):
+        out = out_dir / "runs" / f"overhead_{impl}_n{n}.json"
         args = ["benchmarks.throughput", str(out), "--impl", impl]
-        horovodrun(n, args, log=logs_for(out_dir) / f"throughput_{impl}_n{n}.log")
-        runs.append({**json.loads(out.read_text()), "command": command_line(n, args)})
-    summary = []
-    for n in cfg["overhead_sizes"]:
-        light = [r["steps_per_s"] for r in runs if r["world_size"] == n and r["impl"] == "lightning"]
-        raw = [r["steps_per_s"] for r in runs if r["world_size"] == n and r["impl"] == "raw"]
-        pairs = [a / b for a, b in zip(light, raw, strict=True)]
-        summary.append(
-            {
-                "np": n,
-                "lightning_steps_per_s_median": statistics.median(light),
-                "raw_steps_per_s_median": statistics.median(raw),
-                "ratio_of_medians": statistics.median(light) / statistics.median(raw),
-                "ratio_per_pair": pairs,
-            }
-        )
-    return {"runs": runs, "summary": summary}
+        load = os.getloadavg()
+        wall = horovodrun(n, args, log=logs_for(out_dir) / f"overhead_{impl}_n{n}_r{i}.log")
+        record = {"repeat": i, "job_wall_s": wall, "loadavg_before": load, "command": command_line(n, args)}
+        runs.append({**json.loads(out.read_text()), **record})
+    return {"runs": runs, "summary": _ratios(runs, cfg["overhead_sizes"], "lightning", "raw")}
 
 
 def allreduce(cfg: dict, out_dir: Path) -> dict:
@@ -134,9 +198,11 @@ def allreduce(cfg: dict, out_dir: Path) -> dict:
 
 
 def memory(cfg: dict, out_dir: Path, root: str) -> dict:
-    """Peak RSS per process of the example under horovod_adasum vs horovod (same job otherwise)."""
+    """Peak RSS per process of the example under horovod_adasum vs horovod vs ddp_adasum (same job otherwise;
+    ddp_adasum started by Lightning's launcher, ``--trainer.devices=N``)."""
     rows = []
-    jobs = [(n, s) for n in cfg["memory_sizes"] for s in ("horovod_adasum", "horovod")]
+    strategies = ("horovod_adasum", "horovod", "ddp_adasum")
+    jobs = [(n, s) for n in cfg["memory_sizes"] for s in strategies]
     for n, strategy in tqdm(jobs, desc="memory", unit="run"):
         rss_dir = out_dir / "runs" / f"rss_{strategy}_n{n}"
         args = [
@@ -153,14 +219,20 @@ def memory(cfg: dict, out_dir: Path, root: str) -> dict:
             f"--data.data_dir={root}",
             f"--trainer.default_root_dir={logs_for(out_dir) / 'rss'}",
         ]
-        horovodrun(n, args, log=logs_for(out_dir) / f"rss_{strategy}_n{n}.log")
+        log = logs_for(out_dir) / f"rss_{strategy}_n{n}.log"
+        launcher = "lightning" if strategy == "ddp_adasum" else "horovodrun"
+        if launcher == "lightning":
+            args.append(f"--trainer.devices={n}")
+            lightning_launch(args, log=log)
+        else:
+            horovodrun(n, args, log=log)
         per_rank = [json.loads((rss_dir / f"rss_rank{r}.json").read_text())["peak_rss_kb"] for r in range(n)]
         rows.append(
             {
                 "np": n,
                 "strategy": strategy,
                 "peak_rss_kb_per_rank": per_rank,
-                "command": command_line(n, args),
+                "command": command_line(n, args, launcher),
             }
         )
     return {"runs": rows}
@@ -169,12 +241,21 @@ def memory(cfg: dict, out_dir: Path, root: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the reduced configuration (under 10 minutes)")
-    p.add_argument("--only", default=",".join(PARTS), help="comma-separated parts to run")
+    p.add_argument(
+        "--only",
+        default=",".join(PARTS),
+        help=f"comma-separated parts to run, of {','.join(PARTS + EXTRA_PARTS)} (default: {','.join(PARTS)})",
+    )
     args = p.parse_args()
     cfg = QUICK if args.quick else FULL
     out_dir = RESULTS / "quick" if args.quick else RESULTS
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     parts = args.only.split(",")
+    unknown = set(parts) - set(PARTS + EXTRA_PARTS)
+    if unknown:
+        p.error(f"unknown parts {sorted(unknown)}; known: {PARTS + EXTRA_PARTS}")
+    if "study" in parts and "study_ddp" in parts:
+        parts.remove("study_ddp")  # the whole study has the ddp_adasum rows
     env = environment()
     root = prepared_root()
     timings = {}
@@ -193,6 +274,12 @@ def main() -> None:
         start = time.perf_counter()
         save("study_real", run_study(cfg, out_dir))
         timings["study"] = time.perf_counter() - start
+    if "study_ddp" in parts:
+        from benchmarks.study import run_ddp_rows
+
+        start = time.perf_counter()
+        save("study_real", run_ddp_rows(cfg, out_dir))
+        timings["study_ddp"] = time.perf_counter() - start
     if "simulated" in parts:
         from benchmarks.simulated import scaling, validate
 
@@ -207,6 +294,10 @@ def main() -> None:
         start = time.perf_counter()
         save("study_simulated", {"config": cfg, "baseline_lr": lr, "runs": scaling(cfg, lr, root)})
         timings["simulated"] = time.perf_counter() - start
+    if "throughput" in parts:
+        start = time.perf_counter()
+        save("throughput", {"config": cfg, **throughput(cfg, out_dir)})
+        timings["throughput"] = time.perf_counter() - start
     if "overhead" in parts:
         start = time.perf_counter()
         save("overhead", {"config": cfg, **overhead(cfg, out_dir)})
@@ -219,12 +310,26 @@ def main() -> None:
         start = time.perf_counter()
         save("memory", {"config": cfg, **memory(cfg, out_dir, root)})
         timings["memory"] = time.perf_counter() - start
+    if timings:
+        save("timings", _merged_timings(out_dir, timings, time.perf_counter() - start_all, parts, env))
     if "report" in parts:
         from benchmarks.report import write_report
 
-        if set(parts) != {"report"}:
-            save("timings", {"parts_s": timings, "total_s": time.perf_counter() - start_all, "parts": parts})
         write_report(out_dir, quick=args.quick)
+
+
+def _merged_timings(out_dir: Path, timings: dict, total: float, parts: list[str], env: dict) -> dict:
+    """This invocation's part times merged into ``timings.json``: each part keeps its latest run's seconds
+    (``parts_s``) and date (``parts_date``); ``last_run`` is this invocation."""
+    old_path = out_dir / "timings.json"
+    old = json.loads(old_path.read_text()) if old_path.exists() else {}
+    old_date = old.get("environment", {}).get("date_utc")
+    dates = {k: old.get("parts_date", {}).get(k, old_date) for k in old.get("parts_s", {})}
+    return {
+        "parts_s": {**old.get("parts_s", {}), **timings},
+        "parts_date": {**dates, **dict.fromkeys(timings, env["date_utc"])},
+        "last_run": {"parts": parts, "parts_s": timings, "total_s": total},
+    }
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -186,6 +187,57 @@ def write_results(name: str, payload: dict) -> Path:
     return path
 
 
+def _job_env() -> dict[str, str]:
+    """The environment of a benchmark job: Open MPI as root, one intra-op thread per process, this checkout
+    first on ``PYTHONPATH``, no inherited ``torch.distributed`` rendezvous variables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+    }
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        PYTHONWARNINGS="ignore",
+    )
+    return env
+
+
+def _run_job(cmd: list[str], *, timeout: float, log: Path | None, retries: int) -> float:
+    """Run ``cmd`` in a session of its own (killed whole on a timeout), retried ``retries`` times after a
+    20 s pause; returns the wall time in seconds of the successful attempt.
+
+    Raises:
+        RuntimeError: the last attempt exited non-zero or timed out (with the end of its output).
+    """
+    outputs = []
+    for attempt in range(retries + 1):
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            stderr += f"\n[bench] killed after {timeout:.0f} s"
+        wall = time.perf_counter() - start
+        outputs.append(f"### attempt {attempt + 1}: exit {proc.returncode}\n{stdout}{stderr}")
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text("\n".join(outputs))
+        if proc.returncode == 0:
+            return wall
+        print(f"[bench] attempt {attempt + 1} failed: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        if attempt < retries:
+            time.sleep(20)
+    raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{(stdout + stderr)[-4000:]}")
+
+
 def horovodrun(
     np: int, args: list[str], *, timeout: float = 1800, log: Path | None = None, retries: int = 2
 ) -> float:
@@ -196,34 +248,26 @@ def horovodrun(
     work that may be mid-edit); every attempt's output is kept in ``log``.
 
     Raises:
-        RuntimeError: the last attempt exited non-zero (with the end of its output).
+        RuntimeError: the last attempt failed (with the end of its output).
     """
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}",
            "--mpi-args=--mca mpi_yield_when_idle 1", sys.executable, "-m", *args]  # fmt: skip
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-        PYTHONWARNINGS="ignore",
-    )
-    outputs = []
-    for attempt in range(retries + 1):
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        wall = time.perf_counter() - start
-        outputs.append(f"### attempt {attempt + 1}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
-        if log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text("\n".join(outputs))
-        if proc.returncode == 0:
-            return wall
-        print(f"[bench] attempt {attempt + 1} failed: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        if attempt < retries:
-            time.sleep(20)
-    raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return _run_job(cmd, timeout=timeout, log=log, retries=retries)
+
+
+def lightning_launch(
+    args: list[str], *, timeout: float = 1800, log: Path | None = None, retries: int = 2
+) -> float:
+    """Run ``python -m <args>`` as one plain process; the script's ``Trainer(devices=N)`` makes Lightning
+    start the other N − 1 processes (its subprocess launcher: how users launch ``ddp_adasum``). One intra-op
+    thread per process; returns the wall time in seconds of the successful attempt (retries as
+    :func:`horovodrun`).
+
+    Raises:
+        RuntimeError: the last attempt failed (with the end of its output).
+    """
+    return _run_job([sys.executable, "-m", *args], timeout=timeout, log=log, retries=retries)
 
 
 def logs_for(results_dir: Path) -> Path:
@@ -232,8 +276,11 @@ def logs_for(results_dir: Path) -> Path:
     return ROOT / "runs" / ("bench-logs" if results_dir == RESULTS else f"bench-logs-{results_dir.name}")
 
 
-def command_line(np: int, args: list[str]) -> str:
-    """The shell form of :func:`horovodrun`'s command, for the results files."""
+def command_line(np: int, args: list[str], launcher: str = "horovodrun") -> str:
+    """The shell form of :func:`horovodrun`'s (or, ``launcher="lightning"``, :func:`lightning_launch`'s)
+    command, for the results files."""
+    if launcher == "lightning":
+        return "python -m " + " ".join(args)
     return (
         f'horovodrun -np {np} -H localhost:{np} --mpi-args="--mca mpi_yield_when_idle 1" python -m '
         + " ".join(args)

@@ -1,13 +1,14 @@
-"""One real training run of the study: Lightning + a Horovod strategy on MNIST, one process per rank.
+"""One real training run of the study: Lightning + an Adasum or averaging strategy on MNIST.
 
-Run under ``horovodrun -np N`` (or plainly: a world of size 1). Rank 0 writes a JSON file with the
-per-epoch validation accuracy, the steps, the wall time and every rank's peak RSS; with ``--target`` all
-ranks stop after the first epoch whose (all-rank) validation accuracy reaches it; a diverged run (validation
-loss not finite or accuracy < 50% after an epoch) stops too.
+``horovod_adasum`` / ``horovod``: run under ``horovodrun -np N`` (or plainly: a world of size 1).
+``ddp_adasum``: run as one plain process with ``--devices N``; Lightning starts the other N − 1.
+Rank 0 writes a JSON file with the per-epoch validation accuracy, the steps, the wall time and every
+rank's peak RSS; with ``--target`` all ranks stop after the first epoch whose (all-rank) validation
+accuracy reaches it; a diverged run (validation loss not finite or accuracy < 50% after an epoch) stops too.
 
-usage: python -m benchmarks.lightning_run OUT.json --strategy horovod_adasum|horovod --lr LR
-           [--lr-factor F] [--epochs E] [--batch-size B] [--seed S] [--target T] [--max-steps K]
-           [--save-params PATH] [--schedule onecycle|constant] [--momentum M]
+usage: python -m benchmarks.lightning_run OUT.json --strategy horovod_adasum|horovod|ddp_adasum --lr LR
+           [--devices N (ddp_adasum)] [--lr-factor F] [--epochs E] [--batch-size B] [--seed S]
+           [--target T] [--max-steps K] [--save-params PATH] [--schedule onecycle|constant] [--momentum M]
 """
 
 from __future__ import annotations
@@ -70,10 +71,23 @@ class Recorder(Callback):
             trainer.should_stop = True
 
 
+def _gather(value: object) -> list:
+    """``value`` of every rank, in rank order, over the strategy's ``torch.distributed`` process group
+    (all three strategies have one); ``[value]`` without one."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    values = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--strategy", default="horovod_adasum", choices=["horovod_adasum", "horovod"])
+    p.add_argument(
+        "--strategy", default="horovod_adasum", choices=["horovod_adasum", "horovod", "ddp_adasum"]
+    )
+    p.add_argument("--devices", type=int, default=1, help="ddp_adasum: processes Lightning starts")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--lr-factor", type=float, default=1.0, help="learning-rate factor (lr_scaling)")
     p.add_argument("--momentum", type=float, default=0.9)
@@ -87,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    world = launcher_world_size()
+    horovod = args.strategy != "ddp_adasum"
+    world = launcher_world_size() if horovod else args.devices
     pl.seed_everything(args.seed, verbose=False)
     model = BenchNet(
         lr=args.lr,
@@ -96,17 +111,17 @@ def main(argv: list[str] | None = None) -> None:
         total_steps=onecycle_steps(args.epochs, world, args.batch_size),
     )
     data = TensorMNISTDataModule(data_dir=data_dir(), batch_size=args.batch_size, eval_batch_size=1000)
-    strategy_cls = (
-        adasum_lightning.HorovodAdasumStrategy
-        if args.strategy == "horovod_adasum"
-        else adasum_lightning.HorovodStrategy
-    )
+    strategy_cls = {
+        "horovod_adasum": adasum_lightning.HorovodAdasumStrategy,
+        "horovod": adasum_lightning.HorovodStrategy,
+        "ddp_adasum": adasum_lightning.DDPAdasumStrategy,
+    }[args.strategy]
     strategy = strategy_cls(lr_scaling=args.lr_factor)
     recorder = Recorder(args.target)
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=1,
+        devices=1 if horovod else args.devices,
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         logger=False,
@@ -119,18 +134,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer.fit(model, data)
 
-    hvd = strategy.hvd
+    # Horovod's Adasum optimizer keeps its copy of the parameters between steps; ddp_adasum's copy lives only
+    # during the step (0 here).
     extra_copy_bytes = 0
     for optimizer in trainer.optimizers:
         for start in getattr(optimizer, "_starting_models", {}).values():
             extra_copy_bytes += start.numel() * start.element_size()
-    rss = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    if args.save_params and hvd.rank() == 0:
+    rss = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    rank = trainer.global_rank
+    if args.save_params and rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.save_params)
-    if hvd.rank() == 0:
+    if rank == 0:
         result = {
             "config": vars(args),
-            "world_size": hvd.size(),
+            "launcher": "horovodrun" if horovod else "lightning",
+            "world_size": trainer.world_size,
             "lr_factor": strategy.lr_factor,
             "global_step": trainer.global_step,
             "history": recorder.history,

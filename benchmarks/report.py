@@ -22,6 +22,7 @@ DOCS = ROOT / "docs"
 STYLE = {
     "baseline": ("black", "N = 1 baseline"),
     "adasum": ("tab:blue", "horovod_adasum, lr × 1"),
+    "ddp_adasum": ("tab:purple", "ddp_adasum, lr × 1"),
     "adasum_x2": ("tab:cyan", "horovod_adasum, lr × 2"),
     "average_xN": ("tab:red", "horovod (average), lr × N"),
     "average_xsqrtN": ("tab:orange", "horovod (average), lr × √N"),
@@ -51,9 +52,15 @@ def _group(runs: list[dict]) -> dict[tuple[int, str], list[dict]]:
     return groups
 
 
+def _method_order(key: tuple[int, str]) -> tuple[int, int, str]:
+    n, method = key
+    order = list(STYLE)
+    return n, order.index(method) if method in order else len(order), method
+
+
 def _scaling_rows(groups, target: float, lower: float) -> list[list]:
     rows = []
-    for (n, method), rs in sorted(groups.items()):
+    for (n, method), rs in sorted(groups.items(), key=lambda item: _method_order(item[0])):
         rs = sorted(rs, key=lambda r: r["seed"])
         e_t = [epochs_to(r["history"], target)[0] for r in rs]
         s_t = [epochs_to(r["history"], target)[1] for r in rs]
@@ -105,7 +112,8 @@ def _accuracy_plot(
             ax.plot(
                 [h["epoch"] for h in hist],
                 [100 * h["val_acc"] for h in hist],
-                marker="o",
+                marker="s" if r["method"] == "ddp_adasum" else "o",
+                markersize=4 if r["method"] == "ddp_adasum" else 6,
                 color=color,
                 linestyle="-" if r["seed"] == min(x["seed"] for x in runs) else "--",
                 label=f"{label}, seed {r['seed']}",
@@ -157,7 +165,7 @@ def _epochs_plot(real: list[dict], sim: list[dict], path: Path, target: float, c
                     ys.append(statistics.mean(vals))
                 else:
                     missing.append(n * shift)
-            ax.plot(xs, ys, marker="o", color=color, label=label)
+            ax.plot(xs, ys, marker="s" if method == "ddp_adasum" else "o", color=color, label=label)
             if missing:
                 ax.scatter(missing, [cap + 0.5] * len(missing), marker="x", color=color, s=60)
         ax.axhline(cap + 0.25, color="gray", linewidth=0.6, linestyle=":")
@@ -184,6 +192,7 @@ def write_report(directory: Path, quick: bool = False) -> Path:
     sim = _load(directory, "study_simulated")
     val = _load(directory, "simulator_validation")
     over = _load(directory, "overhead")
+    thr = _load(directory, "throughput")
     ared = _load(directory, "allreduce")
     mem = _load(directory, "memory")
     timings = _load(directory, "timings")
@@ -209,8 +218,7 @@ def write_report(directory: Path, quick: bool = False) -> Path:
         "",
     ]
     if timings:
-        parts = ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings["parts_s"].items())
-        md += [f"Wall time of this run: **{timings['total_s'] / 60:.1f} min** ({parts}).", ""]
+        md += _timings_lines(timings)
 
     # ------------------------------------------------------------------ real study
     if real:
@@ -226,7 +234,9 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             "step (so its length in steps is cap × steps per epoch at that N). Training on the 60k split, "
             "validation on the 10k test split after every epoch; a run stops at the first epoch whose "
             f"validation accuracy reaches {t}. Ranks: `horovodrun -np N` on this machine (more processes "
-            "than cores for N = 4, 8; `--mca mpi_yield_when_idle 1`, one thread per process).",
+            "than cores for N = 4, 8; `--mca mpi_yield_when_idle 1`, one thread per process); `ddp_adasum` "
+            "rows: one plain `python` process with `--devices N`, Lightning's launcher starting the others "
+            "(Gloo; one thread per process).",
             "",
             "### Baseline grid (1 process, seed " + str(cfg["seeds"][0]) + ")",
             "",
@@ -269,6 +279,7 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             f"![accuracy vs epoch]({prefix}accuracy_real.png)",
             "",
         ]
+        md += _ddp_study_section(real, target)
         _accuracy_plot(
             real["runs"],
             cfg["sizes"],
@@ -352,17 +363,68 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             md += [f"![epochs to target]({prefix}{name}.png)", ""]
 
     # ------------------------------------------------------------------ overhead
+    if over or thr:
+        md += ["## 3. Overhead and cost", ""]
+    if thr:
+        md += [
+            "### Throughput: `ddp_adasum` vs `horovod_adasum`",
+            "",
+            "The same training through Lightning with each strategy: model (the example's `MNISTNet`, with "
+            "dropout), batch 64 per process, data (the example's `MNISTDataModule`, per-image torchvision "
+            "transforms, a `DistributedSampler` shard per rank, the same shuffling seed), SGD lr 0.01 "
+            "momentum 0.5, one epoch, steps/s of rank 0 from step 10 to the end of the epoch "
+            "(`benchmarks/throughput.py`). `ddp_adasum` is launched as users launch it: one plain `python` "
+            "process with `devices=N`, Lightning's launcher starting the others (Gloo); `horovod_adasum` "
+            "under `horovodrun -np N` (MPI, `--mca mpi_yield_when_idle 1`, and its Gloo group beside "
+            "Horovod). One thread per process. Runs alternate ddp, hvd, hvd, ddp, ddp, hvd, … per N; "
+            "the ratios are ddp_adasum / horovod_adasum: of the medians, the median of the ratios of "
+            "back-to-back pairs (each pair shares the machine's load of the moment), and of the best runs "
+            "(the least disturbed by other work). CPU ms per step and process: median over runs and ranks of "
+            "`time.process_time()` (all threads of the process, Horovod's background thread included) over "
+            "the timed steps.",
+            "",
+            _table(
+                [
+                    "N",
+                    "ddp_adasum steps/s (median)",
+                    "horovod_adasum steps/s (median)",
+                    "ratio of medians",
+                    "median of pair ratios",
+                    "ratio of best runs",
+                    "ratio per pair",
+                    "ddp_adasum steps/s, each run",
+                    "horovod_adasum steps/s, each run",
+                    "CPU ms per step and process, ddp / hvd",
+                ],
+                [
+                    [
+                        s_["np"],
+                        f"{s_['ddp_adasum_steps_per_s_median']:.1f}",
+                        f"{s_['lightning_steps_per_s_median']:.1f}",
+                        f"**{s_['ratio_of_medians']:.3f}**",
+                        _opt(s_, "median_of_pair_ratios"),
+                        _opt(s_, "ratio_of_best"),
+                        ", ".join(f"{x:.3f}" for x in s_["ratio_per_pair"]),
+                        ", ".join(f"{x:.1f}" for x in s_["ddp_adasum_steps_per_s"]),
+                        ", ".join(f"{x:.1f}" for x in s_["lightning_steps_per_s"]),
+                        _cpu_pair(s_, "ddp_adasum", "lightning"),
+                    ]
+                    for s_ in thr["summary"]
+                ],
+            ),
+            "",
+        ]
     if over:
         md += [
-            "## 3. Overhead and cost",
-            "",
             "### Lightning + `horovod_adasum` vs a raw Horovod loop",
             "",
             "Same processes, model (the example's `MNISTNet`, with dropout), batch 64 per process, data (the "
             "example's `MNISTDataModule`, per-image torchvision transforms, a `DistributedSampler` shard per "
             "rank), SGD lr 0.01 momentum 0.5, `op=hvd.Adasum`; one epoch; steps/s of rank 0 from step 10 to "
             "the end of the epoch. Runs alternate Lightning, raw, Lightning, raw, … "
-            "(`benchmarks/throughput.py`).",
+            "(`benchmarks/throughput.py`). The strategy runs a Gloo process group beside Horovod for "
+            "Lightning's own collectives (among them Lightning's per-step SIGTERM broadcast); the raw loop "
+            "has none. Ratios and CPU time as in the table above.",
             "",
             _table(
                 [
@@ -370,7 +432,12 @@ def write_report(directory: Path, quick: bool = False) -> Path:
                     "Lightning steps/s (median)",
                     "raw steps/s (median)",
                     "ratio of medians",
+                    "median of pair ratios",
+                    "ratio of best runs",
                     "ratio per pair",
+                    "Lightning steps/s, each run",
+                    "raw steps/s, each run",
+                    "CPU ms per step and process, Lightning / raw",
                 ],
                 [
                     [
@@ -378,7 +445,12 @@ def write_report(directory: Path, quick: bool = False) -> Path:
                         f"{s['lightning_steps_per_s_median']:.1f}",
                         f"{s['raw_steps_per_s_median']:.1f}",
                         f"**{s['ratio_of_medians']:.3f}**",
+                        _opt(s, "median_of_pair_ratios"),
+                        _opt(s, "ratio_of_best"),
                         ", ".join(f"{x:.3f}" for x in s["ratio_per_pair"]),
+                        ", ".join(f"{x:.1f}" for x in s.get("lightning_steps_per_s", [])),
+                        ", ".join(f"{x:.1f}" for x in s.get("raw_steps_per_s", [])),
+                        _cpu_pair(s, "lightning", "raw"),
                     ]
                     for s in over["summary"]
                 ],
@@ -423,8 +495,10 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             "",
             "The example (`examples/mnist.py fit --config examples/mnist.yaml`, 1 epoch limited to "
             f"{mem['config']['memory_batches']} batches) under each strategy; `ru_maxrss` of every rank "
-            "after `fit` (`benchmarks/rss_example.py`). Horovod's Adasum optimizer keeps one extra copy "
-            "of the parameters: 21,840 float32 = 87,360 bytes = 85 KiB for this model.",
+            "after `fit` (`benchmarks/rss_example.py`); `ddp_adasum` started by Lightning "
+            "(`--trainer.devices=N`), the others under `horovodrun`. Horovod's Adasum optimizer keeps one "
+            "extra copy of the parameters between steps, `ddp_adasum` one during each step: 21,840 float32 = "
+            "87,360 bytes = 85 KiB for this model.",
             "",
             _table(
                 ["N", "strategy", "peak RSS per rank (MiB)", "mean (MiB)"],
@@ -447,6 +521,108 @@ def write_report(directory: Path, quick: bool = False) -> Path:
         text += "\n" + notes.read_text()
     path.write_text(text)
     return path
+
+
+def _ddp_study_section(real: dict, target: float) -> list[str]:
+    """``ddp_adasum`` vs ``horovod_adasum`` per N and seed (same lr, recipe, data order and seed)."""
+    by = {(r["np"], r["method"], r["seed"]): r for r in real["runs"]}
+    pairs = sorted((n, seed) for n, m, seed in by if m == "ddp_adasum")
+    if not pairs:
+        return []
+    t = f"{100 * target:.1f}%"
+    rows = []
+    for n, seed in pairs:
+        d, h = by[(n, "ddp_adasum", seed)], by.get((n, "adasum", seed))
+        if h is None:
+            continue
+        ed, eh = epochs_to(d["history"], target)[0], epochs_to(h["history"], target)[0]
+        diff = max(abs(a["val_acc"] - b["val_acc"]) for a, b in zip(d["history"], h["history"], strict=False))
+        rows.append(
+            [
+                n,
+                seed,
+                "—" if eh is None else eh,
+                "—" if ed is None else ed,
+                "**same**" if eh == ed else "**differs**",
+                f"{h['history'][-1]['val_acc']:.4f}",
+                f"{d['history'][-1]['val_acc']:.4f}",
+                f"{diff:.4f}",
+                f"{h['train_s']:.0f}",
+                f"{d['train_s']:.0f}",
+            ]
+        )
+    md = [
+        f"### `ddp_adasum` next to `horovod_adasum` (epochs to {t})",
+        "",
+        "Both with the baseline's learning rate unscaled (lr × 1), the same one-cycle schedule, data order "
+        "and seeds; `horovod_adasum` under `horovodrun -np N`, `ddp_adasum` started by Lightning "
+        "(`--devices N`). Run one after the other in the same session (`python -m benchmarks --only "
+        "study_ddp`, or the whole study). Largest |Δ val_acc| over the epochs both ran; train s: time in "
+        "the training epochs (noisy: shared machine).",
+        "",
+        _table(
+            [
+                "N",
+                "seed",
+                f"horovod_adasum epochs to {t}",
+                f"ddp_adasum epochs to {t}",
+                "",
+                "horovod_adasum final val_acc",
+                "ddp_adasum final val_acc",
+                "max |Δ val_acc|",
+                "horovod_adasum train s",
+                "ddp_adasum train s",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    superseded = {(r["np"], r["method"], r["seed"]): r for r in real.get("superseded_runs", [])}
+    notes = []
+    for (n, method, seed), old in sorted(superseded.items()):
+        new = by.get((n, method, seed))
+        if new is None:
+            continue
+        same = [h["val_acc"] for h in old["history"]] == [h["val_acc"] for h in new["history"]]
+        notes.append(
+            f"N = {n} seed {seed}: "
+            + ("every epoch's val_acc identical" if same else "val_acc per epoch "
+               + ", ".join(f"{h['val_acc']:.4f}" for h in old["history"]) + " then, "
+               + ", ".join(f"{h['val_acc']:.4f}" for h in new["history"]) + " now")
+        )  # fmt: skip
+    if notes:
+        date = (next(iter(superseded.values())).get("superseded_run_date") or "")[:10]
+        md += [
+            f"The `horovod_adasum` rows at these N were re-run with the current strategy code (they replace "
+            f"the study's run of {date} in the scaling table above): " + "; ".join(notes) + ".",
+            "",
+        ]
+    return md
+
+
+def _cpu_pair(summary: dict, a: str, b: str) -> str:
+    x, y = summary.get(f"{a}_cpu_ms_per_step_median"), summary.get(f"{b}_cpu_ms_per_step_median")
+    return "—" if x is None or y is None else f"{x:.1f} / {y:.1f}"
+
+
+def _opt(summary: dict, key: str) -> str:
+    return f"{summary[key]:.3f}" if key in summary else "—"
+
+
+def _timings_lines(timings: dict) -> list[str]:
+    """Wall time per part; parts measured on different days (``--only``) carry their date."""
+    parts_s = timings["parts_s"]
+    dates = {k: (v or "")[:10] for k, v in timings.get("parts_date", {}).items()}
+    if len(set(dates.values())) <= 1:
+        total = timings.get("total_s", sum(parts_s.values()))
+        parts = ", ".join(f"{k} {v / 60:.1f} min" for k, v in parts_s.items())
+        return [f"Wall time of this run: **{total / 60:.1f} min** ({parts}).", ""]
+    parts = ", ".join(f"{k} {v / 60:.1f} min ({dates.get(k, '?')})" for k, v in parts_s.items())
+    return [
+        f"Wall time of the parts, each from its latest run (date in brackets; `python -m benchmarks --only "
+        f"PART` reruns one): {parts}; **{sum(parts_s.values()) / 60:.1f} min** in all.",
+        "",
+    ]
 
 
 def _size_label(size: int) -> str:

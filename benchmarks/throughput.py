@@ -1,12 +1,18 @@
-"""Training throughput of Lightning + ``horovod_adasum`` vs a raw Horovod loop (the seed script's logic).
+"""Training throughput: Lightning + ``horovod_adasum`` vs a raw Horovod loop (the seed script's logic), and
+Lightning + ``ddp_adasum`` vs Lightning + ``horovod_adasum``.
 
-Same processes, model (the example's :class:`MNISTNet`), batch (64 per process), data (the example's
+Same model (the example's :class:`MNISTNet`), batch (64 per process), data (the example's
 :class:`MNISTDataModule`: torchvision MNIST, per-image ``ToTensor`` + ``Normalize``, a
-``DistributedSampler`` shard per rank) and optimizer (SGD lr 0.01, momentum 0.5, wrapped in
-``hvd.DistributedOptimizer(op=hvd.Adasum)``). One epoch; rank 0 times the steps from batch ``--skip``
-(fetched) to the end of the last step and writes steps/s to a JSON file.
+``DistributedSampler`` shard per rank, the same shuffling seed) and optimizer (SGD lr 0.01, momentum 0.5).
+``raw``: the seed's loop with ``hvd.DistributedOptimizer(op=hvd.Adasum)``; ``lightning``:
+``Trainer(strategy="horovod_adasum")`` (both under ``horovodrun -np N``); ``ddp_adasum``:
+``Trainer(strategy="ddp_adasum", devices=N)`` started as one plain process, Lightning starting the other
+N − 1. One epoch; rank 0 times the steps from batch ``--skip`` (fetched) to the end of the last step and
+writes steps/s to a JSON file, with every rank's CPU time over the same steps (``time.process_time``: all
+threads of the process, Horovod's background thread included) per step.
 
-usage: python -m benchmarks.throughput OUT.json --impl raw|lightning [--skip K] [--seed S]
+usage: python -m benchmarks.throughput OUT.json --impl raw|lightning [--skip K] [--seed S]  (horovodrun)
+       python -m benchmarks.throughput OUT.json --impl ddp_adasum --devices N [--skip K] [--seed S]
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from benchmarks.common import MNISTDataModule, MNISTNet, data_dir
 BATCH, LR, MOMENTUM = 64, 0.01, 0.5
 
 
-def raw_loop(skip: int, seed: int) -> tuple[int, float]:
-    """The seed's Horovod MNIST training loop, one epoch: returns (timed steps, seconds)."""
+def raw_loop(skip: int, seed: int) -> tuple[int, float, float]:
+    """The seed's Horovod MNIST training loop, one epoch: returns (timed steps, seconds, CPU seconds)."""
     hvd.init()
     torch.manual_seed(seed)
     data = MNISTDataModule(data_dir=data_dir(), batch_size=BATCH)
@@ -48,40 +54,43 @@ def raw_loop(skip: int, seed: int) -> tuple[int, float]:
     start, steps = None, 0
     for i, (x, y) in enumerate(loader):
         if i == skip:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         loss = F.nll_loss(model(x), y)
         loss.backward()
         optimizer.step()
         if start is not None:
             steps += 1
-    return steps, time.perf_counter() - start
+    return steps, time.perf_counter() - start, time.process_time() - cpu
 
 
-def lightning_loop(skip: int, seed: int) -> tuple[int, float]:
-    """The same epoch through ``Trainer(strategy="horovod_adasum")``: returns (timed steps, seconds)."""
+def lightning_loop(
+    skip: int, seed: int, strategy: str = "horovod_adasum", devices: int = 1
+) -> tuple[int, float, float]:
+    """The same epoch through ``Trainer(strategy=strategy, devices=devices)``: (timed steps, seconds, CPU
+    seconds)."""
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
 
     import adasum_lightning  # noqa: F401
 
     class Timer(Callback):
-        start, end, steps = None, None, 0
+        start, end, steps, cpu_start, cpu_end = None, None, 0, 0.0, 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == skip:
-                Timer.start = time.perf_counter()
+                Timer.start, Timer.cpu_start = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if Timer.start is not None:
                 Timer.steps += 1
-                Timer.end = time.perf_counter()
+                Timer.end, Timer.cpu_end = time.perf_counter(), time.process_time()
 
     pl.seed_everything(seed, verbose=False)
     trainer = pl.Trainer(
-        strategy="horovod_adasum",
+        strategy=strategy,
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         max_epochs=1,
         limit_val_batches=0,
         logger=False,
@@ -91,27 +100,44 @@ def lightning_loop(skip: int, seed: int) -> tuple[int, float]:
         callbacks=[Timer()],
     )
     trainer.fit(MNISTNet(lr=LR, momentum=MOMENTUM), MNISTDataModule(data_dir=data_dir(), batch_size=BATCH))
-    return Timer.steps, Timer.end - Timer.start
+    return Timer.steps, Timer.end - Timer.start, Timer.cpu_end - Timer.cpu_start
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--impl", choices=["raw", "lightning"], required=True)
+    p.add_argument("--impl", choices=["raw", "lightning", "ddp_adasum"], required=True)
+    p.add_argument("--devices", type=int, default=1, help="ddp_adasum: processes Lightning runs")
     p.add_argument("--skip", type=int, default=10, help="untimed warm-up steps")
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    steps, seconds = (raw_loop if args.impl == "raw" else lightning_loop)(args.skip, args.seed)
-    per_rank = hvd.allgather_object((steps, seconds))
-    if hvd.rank() == 0:
+    if args.impl == "raw":
+        steps, seconds, cpu = raw_loop(args.skip, args.seed)
+    elif args.impl == "lightning":
+        steps, seconds, cpu = lightning_loop(args.skip, args.seed)
+    else:
+        steps, seconds, cpu = lightning_loop(args.skip, args.seed, "ddp_adasum", args.devices)
+    if args.impl == "ddp_adasum":
+        import torch.distributed as dist
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        per_rank = [None] * size
+        dist.all_gather_object(per_rank, (steps, seconds, cpu))
+    else:
+        rank, size = hvd.rank(), hvd.size()
+        per_rank = hvd.allgather_object((steps, seconds, cpu))
+    if rank == 0:
         result = {
             "impl": args.impl,
-            "world_size": hvd.size(),
+            "strategy": {"raw": None, "lightning": "horovod_adasum"}.get(args.impl, args.impl),
+            "launcher": "lightning" if args.impl == "ddp_adasum" else "horovodrun",
+            "world_size": size,
             "steps": steps,
             "seconds": seconds,
             "steps_per_s": steps / seconds,
             "per_rank": per_rank,
+            "cpu_ms_per_step_per_rank": [1e3 * c / n for n, _, c in per_rank],
             "batch_size": BATCH,
         }
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

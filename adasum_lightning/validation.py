@@ -377,5 +377,14 @@ def unreadable_checkpoint(path: object, err: BaseException, rank: int) -> Runtim
     )
 
 
-#: What ``torch.load`` raises for a file it cannot read.
-CHECKPOINT_READ_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError)
+#: What ``torch.load`` raises for a file it cannot read (a corrupt pickle stream can also fail in a memo
+#: lookup: ``KeyError``, ``IndexError``).
+CHECKPOINT_READ_ERRORS = (
+    pickle.UnpicklingError,
+    EOFError,
+    RuntimeError,
+    ValueError,
+    OSError,
+    KeyError,
+    IndexError,
+)

@@ -202,7 +202,7 @@ def test_missing_checkpoint_names_the_fix(tmp_path):
         )
 
 
-@pytest.mark.parametrize("content", [b"garbage", b""])
+@pytest.mark.parametrize("content", [b"garbage", b"", b"junk\n"])  # "junk": a KeyError in the unpickler
 def test_corrupt_checkpoint_names_the_fix(tmp_path, content):
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(content)

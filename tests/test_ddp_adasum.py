@@ -76,7 +76,7 @@ def assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-5, atol
             )
 
 
-# ---------------------------------------------------------------- launched by Lightning and by torchrun
+# ---------------------------------------------------------------- launched by Lightning, torchrun and srun
 @pytest.mark.parametrize("np", [pytest.param(2, marks=pytest.mark.compat), 4])
 def test_lightning_launches_the_processes_and_ranks_stay_identical(np, tmp_path):
     run_lightning(np, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--scheduler", "step", "--lr", "0.05")
@@ -97,6 +97,33 @@ def test_torchrun_launches_the_processes(tmp_path):
     run_torchrun(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1", "--devices", "2")
     ranks = load_ranks(tmp_path, 2)
     assert all(res["world_size"] == 2 and res["global_step"] == 8 for res in ranks)
+    assert_ranks_identical(ranks)
+
+
+def test_srun_tasks_train_through_lightnings_slurm_environment(tmp_path):
+    # Two processes started the way `srun --ntasks-per-node=2` starts them: SLURM's variables only (no RANK,
+    # WORLD_SIZE or MASTER_ADDR). Lightning's SLURMEnvironment gives the ranks and the address (the first
+    # host of SLURM_NODELIST); MASTER_PORT is set as a batch script would, so that runs cannot collide.
+    port = _free_port()
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+             "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
+             "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}  # fmt: skip
+    procs = []
+    for rank in range(2):
+        task = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "MASTER_PORT": str(port)}
+        env = {**plain_env(), **slurm, **task}
+        cmd = [sys.executable, "-m", "tests.workers.fit", str(tmp_path), "--strategy", "ddp_adasum",
+               "--devices", "2", "--epochs", "1"]  # fmt: skip
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, **out))
+    outputs = [proc.communicate(timeout=180)[0] for proc in procs]
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-3000:]
+    ranks = load_ranks(tmp_path, 2)
+    for rank, res in enumerate(ranks):
+        assert res["cluster_environment"] == "SLURMEnvironment"
+        assert (res["world_size"], res["local_rank"], res["node_rank"]) == (2, rank, 0)
+        assert res["global_step"] == 8
     assert_ranks_identical(ranks)
 
 

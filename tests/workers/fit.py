@@ -93,6 +93,9 @@ record = model.record
 record["end"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 record["global_step"] = trainer.global_step
 record["world_size"] = trainer.world_size
+record["local_rank"] = trainer.local_rank
+record["node_rank"] = trainer.node_rank
+record["cluster_environment"] = type(trainer.strategy.cluster_environment).__name__
 record["end_opt_state"] = {
     k: {n: t.clone() for n, t in s.items() if torch.is_tensor(t)}
     for k, s in trainer.optimizers[0].state_dict()["state"].items()

@@ -36,7 +36,7 @@ demo-ddp: setup
 	@grep -o 'val_acc=[0-9.]*' runs-demo-ddp.log | tail -n 1
 
 test: setup
-	@$(PY) -m pytest -ra
+	@$(PY) -m pytest -ra --durations=25
 
 # The strategy, validation and multi-process tests against the oldest supported pytorch-lightning and the
 # unified `lightning` package, each in its own environment (.venv-compat-*) that reuses the cached Horovod wheel.
@@ -51,7 +51,7 @@ lint: setup
 	@$(VENV)/bin/ruff format --check adasum_lightning examples tests benchmarks
 
 # Scaling study + overhead benchmarks -> benchmarks/results/*.json, docs/benchmarks.md (+ PNGs).
-# `bench`: 47 min measured on 2 shared cores; `bench-quick`: reduced, under 10 min, into benchmarks/results/quick/.
+# `bench`: about 65 min on 2 shared cores (docs/benchmarks.md, "Cost of make bench"); `bench-quick`: reduced, under 10 min, into benchmarks/results/quick/.
 bench: setup
 	@$(PY) -c "import matplotlib, tqdm" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
 	@mkdir -p runs; start=$$(date +%s); set -o pipefail; $(PY) -m benchmarks 2>&1 | tee runs/bench.log && \

@@ -157,13 +157,14 @@ def throughput(cfg: dict, out_dir: Path) -> dict:
 
 
 def overhead(cfg: dict, out_dir: Path) -> dict:
-    """Lightning + horovod_adasum vs the raw Horovod loop, interleaved: L, R, L, R, … per size."""
+    """Lightning + horovod_adasum vs the raw Horovod loop, interleaved: L, R, N, L, R, N, … per size, where N
+    is Lightning without its per-step SIGTERM broadcast over torch.distributed (a diagnostic of that cost)."""
     runs = []
     jobs = [
         (n, i, impl)
         for n in cfg["overhead_sizes"]
         for i in range(cfg["overhead_repeats"])
-        for impl in ("lightning", "raw")
+        for impl in ("lightning", "raw", "lightning_no_sigterm_broadcast")
     ]
     for n, i, impl in tqdm(jobs, desc="overhead", unit="run"):
         out = out_dir / "runs" / f"overhead_{impl}_n{n}.json"
@@ -172,7 +173,13 @@ def overhead(cfg: dict, out_dir: Path) -> dict:
         wall = horovodrun(n, args, log=logs_for(out_dir) / f"overhead_{impl}_n{n}_r{i}.log")
         record = {"repeat": i, "job_wall_s": wall, "loadavg_before": load, "command": command_line(n, args)}
         runs.append({**json.loads(out.read_text()), **record})
-    return {"runs": runs, "summary": _ratios(runs, cfg["overhead_sizes"], "lightning", "raw")}
+    return {
+        "runs": runs,
+        "summary": _ratios(runs, cfg["overhead_sizes"], "lightning", "raw"),
+        "summary_without_sigterm_broadcast": _ratios(
+            runs, cfg["overhead_sizes"], "lightning_no_sigterm_broadcast", "raw"
+        ),
+    }
 
 
 def allreduce(cfg: dict, out_dir: Path) -> dict:

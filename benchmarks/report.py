@@ -457,6 +457,34 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             ),
             "",
         ]
+        if over.get("summary_without_sigterm_broadcast"):
+            md += [
+                "Diagnostic, measured in the same run (a third run after each pair): Lightning + "
+                "`horovod_adasum` without Lightning's per-step SIGTERM broadcast "
+                "(`_TrainingEpochLoop._broadcast_sigterm_tensor` replaced by a no-op; such a job would not "
+                "stop all ranks at the same step after a SIGTERM), against the same raw runs:",
+                "",
+                _table(
+                    [
+                        "N",
+                        "without broadcast, steps/s (median)",
+                        "ratio of medians to raw",
+                        "ratio per run (to the raw run before it)",
+                        "CPU ms per step and process, without broadcast / raw",
+                    ],
+                    [
+                        [
+                            s["np"],
+                            f"{s['lightning_no_sigterm_broadcast_steps_per_s_median']:.1f}",
+                            f"**{s['ratio_of_medians']:.3f}**",
+                            ", ".join(f"{x:.3f}" for x in s["ratio_per_pair"]),
+                            _cpu_pair(s, "lightning_no_sigterm_broadcast", "raw"),
+                        ]
+                        for s in over["summary_without_sigterm_broadcast"]
+                    ],
+                ),
+                "",
+            ]
     if ared:
         md += ["### Allreduce time: Adasum vs Average vs Sum (float32, CPU, MPI)", ""]
         for job in ared["jobs"]:

@@ -11,7 +11,10 @@ N − 1. One epoch; rank 0 times the steps from batch ``--skip`` (fetched) to th
 writes steps/s to a JSON file, with every rank's CPU time over the same steps (``time.process_time``: all
 threads of the process, Horovod's background thread included) per step.
 
-usage: python -m benchmarks.throughput OUT.json --impl raw|lightning [--skip K] [--seed S]  (horovodrun)
+``lightning_no_sigterm_broadcast``: ``lightning`` without Lightning's per-step SIGTERM broadcast (a
+diagnostic of that broadcast's cost).
+
+usage: python -m benchmarks.throughput OUT.json --impl IMPL [--skip K] [--seed S]  (under horovodrun)
        python -m benchmarks.throughput OUT.json --impl ddp_adasum --devices N [--skip K] [--seed S]
 """
 
@@ -106,7 +109,9 @@ def lightning_loop(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--impl", choices=["raw", "lightning", "ddp_adasum"], required=True)
+    p.add_argument(
+        "--impl", choices=["raw", "lightning", "lightning_no_sigterm_broadcast", "ddp_adasum"], required=True
+    )
     p.add_argument("--devices", type=int, default=1, help="ddp_adasum: processes Lightning runs")
     p.add_argument("--skip", type=int, default=10, help="untimed warm-up steps")
     p.add_argument("--seed", type=int, default=42)
@@ -115,6 +120,14 @@ def main() -> None:
     if args.impl == "raw":
         steps, seconds, cpu = raw_loop(args.skip, args.seed)
     elif args.impl == "lightning":
+        steps, seconds, cpu = lightning_loop(args.skip, args.seed)
+    elif args.impl == "lightning_no_sigterm_broadcast":
+        # Diagnostic only: Lightning (>= 2.5) broadcasts rank 0's SIGTERM flag over torch.distributed before
+        # every training step, which is how every rank stops at the same step after a SIGTERM; this variant
+        # skips that broadcast to measure its cost (a job run like this would not stop cleanly on SIGTERM).
+        from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
+
+        _TrainingEpochLoop._broadcast_sigterm_tensor = lambda self: None
         steps, seconds, cpu = lightning_loop(args.skip, args.seed)
     else:
         steps, seconds, cpu = lightning_loop(args.skip, args.seed, "ddp_adasum", args.devices)
@@ -130,7 +143,11 @@ def main() -> None:
     if rank == 0:
         result = {
             "impl": args.impl,
-            "strategy": {"raw": None, "lightning": "horovod_adasum"}.get(args.impl, args.impl),
+            "strategy": None
+            if args.impl == "raw"
+            else "horovod_adasum"
+            if "lightning" in args.impl
+            else args.impl,
             "launcher": "lightning" if args.impl == "ddp_adasum" else "horovodrun",
             "world_size": size,
             "steps": steps,

@@ -35,7 +35,7 @@ step "environment ready in ${SECONDS}s:" $("$venv/bin/python" -m pip list --disa
 # the installed copy from outside the checkout.
 # Every single-process test of the strategy and validation modules, and the multi-process tests marked
 # `compat` (each strategy by name and instance, the core training runs, Lightning's loops and cross-rank code).
-ADASUM_TEST_PACKAGE=$package ADASUM_PLAIN_INSTALL=1 "$venv/bin/python" -m pytest -ra -p no:cacheprovider \
+ADASUM_TEST_PACKAGE=$package ADASUM_PLAIN_INSTALL=1 "$venv/bin/python" -m pytest -ra --durations=15 -p no:cacheprovider \
   -m "not mpi or compat" \
   tests/test_strategy.py tests/test_validation.py tests/test_compat.py tests/test_packages.py \
   tests/test_mpi.py tests/test_mpi_hard.py tests/test_crossrank.py tests/test_ddp_adasum.py "$@"

@@ -39,12 +39,18 @@ test: setup
 	@$(PY) -m pytest -ra --durations=25
 
 # The strategy, validation and multi-process tests against the oldest supported pytorch-lightning and the
-# unified `lightning` package, each in its own environment (.venv-compat-*) that reuses the cached Horovod wheel.
-# (lightning 2.6.6 is also in `make test`'s environment, where every strategy already runs by name and as an
-# instance with both packages: the second pass skips those.)
+# unified `lightning` package, each in its own environment (.venv-compat-*) that reuses the cached Horovod wheel
+# (`setup` built it); the two environments are created side by side, the tests run one pass after the other.
+# lightning 2.6.6 is also in `make test`'s environment, where every strategy already runs by name and as an
+# instance with both packages and every multi-process test runs: its pass runs the single-process tests and the
+# core multi-process tests (marker `compat`); the oldest release also runs those marked `compat_oldest`.
+COMPAT_PL24 := pl24 "pytorch-lightning==2.4.0" pytorch_lightning "$(PYTHON)"
+COMPAT_LIGHTNING := lightning "lightning==2.6.6" lightning.pytorch "$(PYTHON)"
 test-compat: setup
-	@bash .ci/compat.sh pl24 "pytorch-lightning==2.4.0" pytorch_lightning "$(PYTHON)"
-	@bash .ci/compat.sh lightning "lightning==2.6.6" lightning.pytorch "$(PYTHON)" -k "not with_each_package"
+	@bash .ci/compat.sh --prepare $(COMPAT_PL24) & a=$$!; bash .ci/compat.sh --prepare $(COMPAT_LIGHTNING) & b=$$!; \
+	    wait $$a; ra=$$?; wait $$b; rb=$$?; [ $$ra = 0 ] && [ $$rb = 0 ]
+	@bash .ci/compat.sh $(COMPAT_PL24) "not mpi or compat or compat_oldest"
+	@bash .ci/compat.sh $(COMPAT_LIGHTNING) "not mpi or compat"
 
 lint: setup
 	@$(VENV)/bin/ruff check adasum_lightning examples tests benchmarks

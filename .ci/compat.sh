@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # make test-compat: the strategy, validation and multi-process tests in an environment of their own, against
 # another supported Lightning release, reusing the cached Horovod wheel.
-#   bash .ci/compat.sh NAME "LIGHTNING PIP SPEC" PACKAGE [PYTHON [PYTEST ARGS...]]
-#     NAME     environment .venv-compat-NAME
-#     SPEC     e.g. "pytorch-lightning==2.4.0" or "lightning==2.6.6"
-#     PACKAGE  the package the tests import: pytorch_lightning or lightning.pytorch (ADASUM_TEST_PACKAGE)
+#   bash .ci/compat.sh [--prepare] NAME "LIGHTNING PIP SPEC" PACKAGE [PYTHON [MARKERS [PYTEST ARGS...]]]
+#     --prepare  only create (or refresh) the environment; no tests
+#     NAME       environment .venv-compat-NAME
+#     SPEC       e.g. "pytorch-lightning==2.4.0" or "lightning==2.6.6"
+#     PACKAGE    the package the tests import: pytorch_lightning or lightning.pytorch (ADASUM_TEST_PACKAGE)
+#     MARKERS    pytest's -m expression (default: every single-process test and the tests marked `compat`)
 # The project is installed with `pip install .` and no extras (torchvision and jsonargparse stay out), so this
 # pass also shows that the strategies import and train with the package's install_requires alone.
 set -euo pipefail
-name=$1 spec=$2 package=$3 py=${4:-python3}
-shift $(( $# < 4 ? $# : 4 ))
+prepare_only=0
+if [ "${1:-}" = --prepare ]; then prepare_only=1; shift; fi
+name=$1 spec=$2 package=$3 py=${4:-python3} markers=${5:-"not mpi or compat"}
+shift $(( $# < 5 ? $# : 5 ))
 venv=".venv-compat-$name"
+lock=".venv-compat.lock"  # shared by every compat environment
 step() { echo "[compat:$name] $*"; }
 SECONDS=0
 
@@ -19,24 +24,27 @@ if [ ! -f "$stamp" ]; then
   rm -rf "$venv"
   step "creating $venv: torch==2.14.1, $spec, the project without extras, pytest"
   "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.14.1 "$spec" . "pytest>=8" pytest-timeout \
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.14.1 "$spec" "pytest>=8" pytest-timeout \
+    2> >(grep -v -e "^WARNING: Location" >&2)
+  # The project is built in the checkout (build/, *.egg-info): one environment at a time (make test-compat
+  # prepares both side by side).
+  flock "$lock" "$venv/bin/python" -m pip install -q --disable-pip-version-check . \
     2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" >&2)
   bash patches/build_horovod.sh --python "$venv/bin/python" 2> >(grep -v "^WARNING: Location" >&2)
   touch "$stamp"
 else
   # the project itself may have changed since: reinstall it alone (seconds)
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall . \
+  flock "$lock" "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall . \
     2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" >&2)
 fi
 step "environment ready in ${SECONDS}s:" $("$venv/bin/python" -m pip list --disable-pip-version-check 2>/dev/null |
   awk 'tolower($1) ~ /^(torch|pytorch-lightning|lightning|horovod|adasum-lightning)$/ {printf "%s %s; ", $1, $2}')
+[ "$prepare_only" = 1 ] && exit 0
 
 # The tests import the checkout (its root is on sys.path); tests/test_packages.py::test_plain_install_* imports
 # the installed copy from outside the checkout.
-# Every single-process test of the strategy and validation modules, and the multi-process tests marked
-# `compat` (each strategy by name and instance, the core training runs, Lightning's loops and cross-rank code).
 ADASUM_TEST_PACKAGE=$package ADASUM_PLAIN_INSTALL=1 "$venv/bin/python" -m pytest -ra --durations=15 -p no:cacheprovider \
-  -m "not mpi or compat" \
+  -m "$markers" \
   tests/test_strategy.py tests/test_validation.py tests/test_compat.py tests/test_packages.py \
   tests/test_mpi.py tests/test_mpi_hard.py tests/test_crossrank.py tests/test_ddp_adasum.py "$@"
 step "done in ${SECONDS}s"

@@ -40,8 +40,9 @@ from tests.workers.lightning import adasum_strategies
 pytestmark = pytest.mark.mpi
 
 HOROVOD = ["horovod_adasum", "horovod"]
-#: The same, with horovod_adasum also in `make test-compat` (each compat run of a row costs a job launch).
-HOROVOD_COMPAT = [pytest.param("horovod_adasum", marks=pytest.mark.compat), "horovod"]
+#: The same, with horovod_adasum also in `make test-compat`'s pass against the oldest pytorch-lightning (each
+#: compat run of a row costs a job launch).
+HOROVOD_COMPAT = [pytest.param("horovod_adasum", marks=pytest.mark.compat_oldest), "horovod"]
 
 
 def crossrank(tmp_path: Path, case: str, strategy: str, *args: str, check: bool = True, timeout: float = 180):
@@ -161,7 +162,7 @@ def test_lbfgs_is_refused_by_horovod_adasum_before_any_step(tmp_path):
     assert_every_rank_says(proc, 2, expected_message(check_closure_optimizers, "horovod_adasum", ["LBFGS"]))
 
 
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 def test_lbfgs_trains_identically_under_horovod_averaging(tmp_path):
     crossrank(tmp_path, "lbfgs", "horovod")
     ranks = load_ranks(tmp_path, 2)
@@ -171,7 +172,7 @@ def test_lbfgs_trains_identically_under_horovod_averaging(tmp_path):
 
 
 # ---------------------------------------------------------------- 7: SIGTERM to rank 0
-@pytest.mark.parametrize("strategy", HOROVOD_COMPAT)
+@pytest.mark.parametrize("strategy", [pytest.param("horovod_adasum", marks=pytest.mark.compat), "horovod"])
 def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_path):
     if not adasum_strategies._compat.has_sigterm_agreement():
         pytest.skip(

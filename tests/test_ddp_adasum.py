@@ -92,7 +92,7 @@ def test_lightning_launches_the_processes_and_ranks_stay_identical(np, tmp_path)
         assert set().union(*seen) == set(range(64)) and sum(map(len, seen)) == 64
 
 
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 def test_torchrun_launches_the_processes(tmp_path):
     run_torchrun(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1", "--devices", "2")
     ranks = load_ranks(tmp_path, 2)
@@ -127,7 +127,7 @@ def test_srun_tasks_train_through_lightnings_slurm_environment(tmp_path):
     assert_ranks_identical(ranks)
 
 
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 def test_one_step_is_the_adasum_of_the_local_deltas(tmp_path):
     run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1")
     ranks = load_ranks(tmp_path, 2)
@@ -199,7 +199,7 @@ def test_bf16_mixed_on_cpu(tmp_path):
     assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 def test_fp16_gradient_scaler_skips_an_overflowing_rank(tmp_path):
     # Rank 0's loss is infinite at step 0: its scaler skips the step, its delta is 0, and the Adasum of
     # (0, d1) is d1 exactly (a zero vector's coefficient is 1).
@@ -223,7 +223,7 @@ def test_lbfgs(tmp_path):
     assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 def test_accumulation_with_a_partial_window(tmp_path):
     # 40 samples / 2 ranks / batch 4 = 5 batches, k = 3: windows 3 + 2 (the partial one is stepped).
     run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1", "--samples", "40",

@@ -11,7 +11,7 @@ from tests.helpers import (
 )
 from tests.workers.tiny import tiny_net  # noqa: E402
 
-pytestmark = [pytest.mark.mpi, pytest.mark.compat]
+pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("np", [2, 4])
@@ -55,6 +55,7 @@ def adasum_2ranks(tmp_path_factory):
     return out, load_ranks(out, 2)
 
 
+@pytest.mark.compat
 def test_fit_two_ranks_identical_parameters_and_own_shards(adasum_2ranks):
     _, ranks = adasum_2ranks
     assert_ranks_identical(
@@ -68,6 +69,7 @@ def test_fit_two_ranks_identical_parameters_and_own_shards(adasum_2ranks):
     assert ranks[0]["lrs"] == ranks[1]["lrs"] and ranks[0]["lrs"][0] < ranks[0]["lrs"][-1]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(("strategy", "factor"), [("horovod_adasum", 1), ("horovod", 4)])
 def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, tmp_path):
     run_horovod(4, "fit", str(tmp_path), "--strategy", strategy, "--lr", "0.05", "--scheduler", "step")
@@ -82,6 +84,7 @@ def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, tmp
     assert_disjoint_shards(ranks, n=64, epochs=2)
 
 
+@pytest.mark.compat
 def test_one_step_is_the_adasum_of_the_local_sgd_deltas(tmp_path):
     lr, momentum = 0.1, 0.5
     run_horovod(2, "fit", str(tmp_path), "--max-steps", "1", "--lr", str(lr))
@@ -110,6 +113,7 @@ def test_one_step_is_the_adasum_of_the_local_sgd_deltas(tmp_path):
             assert not torch.allclose(end, start[key] + deltas[0][key] + deltas[1][key], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.compat
 def test_resume_from_rank_zero_checkpoint(adasum_2ranks, tmp_path):
     first, _ = adasum_2ranks
     ckpts = sorted((first / "checkpoints").glob("*.ckpt"))

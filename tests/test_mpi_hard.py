@@ -166,7 +166,7 @@ def test_frozen_parameters_and_parameters_without_gradient(tmp_path):
     assert not torch.equal(ranks[0]["end"]["branch.weight"], ranks[0]["start"]["branch.weight"])
 
 
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 def test_two_optimizers_with_manual_optimization(tmp_path):
     run_horovod(2, "fit", str(tmp_path), "--model", "two_optimizers", "--epochs", "2")
     ranks = load_ranks(tmp_path, 2)
@@ -189,7 +189,7 @@ def test_accumulation_window_is_one_local_step_then_one_reduction(tmp_path):
             assert torch.allclose(end, expected, rtol=1e-5, atol=1e-7), (name, (end - expected).abs().max())
 
 
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 def test_accumulation_partial_window_at_epoch_end(tmp_path):
     # 80 samples / 2 ranks / batch 4 = 10 batches per epoch = windows of 3 + 3 + 3 + 1.
     run_horovod(2, "fit", str(tmp_path), "--samples", "80", "--epochs", "3", "--accumulate", "3")

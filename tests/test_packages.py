@@ -50,7 +50,7 @@ def check_fit(ranks: list[dict], package: str, strategy_class: str, np: int = 2)
 
 
 @pytest.mark.mpi
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 @pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
 @pytest.mark.parametrize("by", ["name", "instance"])
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_horovod_strategies_with_each_package(package, by, strategy, cls, tmp_pa
 
 
 @pytest.mark.mpi
-@pytest.mark.compat
+@pytest.mark.compat_oldest
 @pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
 @pytest.mark.parametrize("by", ["name", "instance"])
 def test_ddp_adasum_with_each_package_launched_by_lightning(package, by, tmp_path):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,9 @@ SMALL_TENSOR: int = 1 << 12
 
 
 def adasum_allreduce(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    timeout: timedelta | None = None,
 ) -> list[torch.Tensor]:
     """Adasum allreduce of ``tensors`` across the ranks of ``group``, in place.
 
@@ -104,6 +107,11 @@ def adasum_allreduce(
             (CPU with Gloo; CUDA with NCCL, after ``torch.cuda.set_device``).
         group: the process group (default: the default group); any sub-group works. On a rank that is
             not a member, nothing happens (as in ``torch.distributed`` collectives).
+        timeout: how long one point-to-point exchange may wait for its peer on Gloo (default: the
+            group's own timeout, ``init_process_group(timeout=...)``). Gloo's point-to-point handles
+            otherwise wait without limit: a peer lost with its host would block this rank until the
+            kernel gives up on the connection. Not used with NCCL, whose watchdog applies the group's
+            timeout.
 
     Returns:
         The same tensors, as a list (``tensors`` itself when it is a list), reduced in place; shapes and
@@ -113,7 +121,8 @@ def adasum_allreduce(
         TypeError: an element is not a tensor, or its dtype is not one of the four above (the message
             names the dtype).
         ValueError: from ``torch.distributed`` when no process group is initialised.
-        RuntimeError: from ``torch.distributed`` when the backend fails (e.g. a peer died: Gloo times out).
+        RuntimeError: from ``torch.distributed`` when the backend fails (a peer died or did not answer
+            within ``timeout``).
     """
     out = tensors if isinstance(tensors, list) else list(tensors)
     for i, t in enumerate(out):
@@ -133,7 +142,7 @@ def adasum_allreduce(
     if size == 1:
         return out
     pg = group if group is not None else dist.group.WORLD
-    comm = _Comm(pg, rank, size)
+    comm = _Comm(pg, rank, size, timeout)
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in out:
         buckets.setdefault((t.dtype, t.device), []).append(t)
@@ -165,13 +174,31 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "
     return buf[:numel]
 
 
+def _gloo_wait_timeout(group: dist.ProcessGroup, timeout: timedelta | None) -> timedelta | None:
+    """The limit for Gloo's point-to-point waits in ``group``: ``timeout``, else the group's own timeout
+    (``ProcessGroupGloo.options._timeout``, torch 2.14; torch's default of 30 minutes when it cannot be
+    read). ``None`` for other backends (NCCL applies the group's timeout itself)."""
+    if dist.get_backend(group) != "gloo":
+        return None
+    if timeout is not None:
+        return timeout
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.constants.default_pg_timeout
+
+
 class _Comm:
     """Point-to-point exchanges inside one process group, by group rank."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, size: int, timeout: timedelta | None = None
+    ) -> None:
         self.group = group
         self.rank = rank
         self.size = size
+        #: the limit for each point-to-point wait on Gloo (``None``: wait as the backend does)
+        self.timeout = _gloo_wait_timeout(group, timeout)
         # P2POp takes a global ``peer`` in every torch ≥ 2.1 (``group_peer`` exists only from 2.6 on).
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(size)]
 
@@ -189,7 +216,10 @@ class _Comm:
         ]
         if ops:
             for work in dist.batch_isend_irecv(ops):
-                work.wait()
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
 
     def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """Sum of ``values`` over the ``width`` (a power of 2) ranks ``q`` with ``q // width`` equal to ours.

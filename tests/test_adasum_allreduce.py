@@ -3,6 +3,7 @@ against the reference operator and against Horovod's own Adasum allreduce; plus 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -17,6 +18,7 @@ import adasum_lightning.allreduce as ar
 from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.ops import ADASUM_NORM_EPS, adasum, adasum_reduce, is_power_of_two
 from tests.helpers import ROOT, load_ranks, mpi_env, run_horovod
+from tests.helpers import run_torchrun as run_torchrun_worker
 
 #: max |ours - expected| / max |expected| per dtype (the reference rounds each pairwise step to the dtype,
 #: as the allreduce does; low-precision dtypes may still differ by an ulp where a coefficient's last bit
@@ -163,6 +165,19 @@ def test_equals_horovods_adasum(np, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------
 # In-process
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("timeout_args", "limit"), [([], 3.0), (["2"], 2.0)], ids=["group_timeout", "argument"]
+)
+def test_a_silent_peer_raises_within_the_timeout(timeout_args, limit, tmp_path):
+    # Gloo's point-to-point handles wait without limit unless given one: a rank behind a lost link would
+    # block the others until the kernel gives up on the connection (tests/test_two_hosts.py).
+    run_torchrun_worker(2, "p2p_timeout", str(tmp_path), "3", *timeout_args, check=False, timeout=120)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["error"] is not None and result["error"]["type"] == "RuntimeError", result
+    assert limit - 0.5 <= result["seconds"] < limit + 2, result  # rank 1 stays silent for 8 s
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,9 @@ def adasum_allreduce(
             (CPU with Gloo; CUDA with NCCL, after ``torch.cuda.set_device``).
         group: the process group (default: the default group); any sub-group works. On a rank that is
             not a member, nothing happens (as in ``torch.distributed`` collectives).
-        timeout: how long one point-to-point exchange may wait for its peer on Gloo (default: the
-            group's own timeout, ``init_process_group(timeout=...)``). Gloo's point-to-point handles
+        timeout: how long one point-to-point exchange may wait for its peer on Gloo; pass the group's
+            own timeout (``init_process_group(timeout=...)``; ``ddp_adasum`` passes its ``timeout``).
+            Default: torch's default process-group timeout, 30 minutes. Gloo's point-to-point handles
             otherwise wait without limit: a peer lost with its host would block this rank until the
             kernel gives up on the connection. Not used with NCCL, whose watchdog applies the group's
             timeout.
@@ -175,17 +176,12 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "
 
 
 def _gloo_wait_timeout(group: dist.ProcessGroup, timeout: timedelta | None) -> timedelta | None:
-    """The limit for Gloo's point-to-point waits in ``group``: ``timeout``, else the group's own timeout
-    (``ProcessGroupGloo.options._timeout``, torch 2.14; torch's default of 30 minutes when it cannot be
-    read). ``None`` for other backends (NCCL applies the group's timeout itself)."""
+    """The limit for Gloo's point-to-point waits in ``group``: ``timeout``, else torch's default
+    process-group timeout (``torch.distributed.constants.default_pg_timeout``, 30 minutes). ``None`` for
+    other backends (NCCL applies the group's timeout itself)."""
     if dist.get_backend(group) != "gloo":
         return None
-    if timeout is not None:
-        return timeout
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return dist.constants.default_pg_timeout
+    return timeout if timeout is not None else dist.constants.default_pg_timeout
 
 
 class _Comm:

@@ -103,7 +103,7 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
             deltas = [p.data for p in params]
             for delta, start in zip(deltas, before, strict=True):
                 delta.sub_(start)
-            adasum_allreduce(deltas)
+            adasum_allreduce(deltas, timeout=self.process_group_timeout)
             for delta, start in zip(deltas, before, strict=True):
                 delta.add_(start)
         self._deliver_pending_sigterm()

@@ -1,10 +1,9 @@
 """Worker: a peer that never joins ``adasum_allreduce``; the waiting rank must give up within the timeout.
 
-usage: torchrun --standalone --nproc-per-node 2 -m tests.workers.p2p_timeout OUT GROUP_TIMEOUT_S [TIMEOUT_S]
-    A Gloo group with ``timeout=GROUP_TIMEOUT_S``. Rank 1 never calls ``adasum_allreduce`` (it sleeps
-    GROUP_TIMEOUT_S + 5 s, as a rank behind a lost link would stay silent); rank 0 calls it, with
-    ``timeout=TIMEOUT_S`` when given, and writes ``OUT/rank0.json``: the seconds until the call returned
-    or raised, and the error's type and message.
+usage: torchrun --standalone --nproc-per-node 2 -m tests.workers.p2p_timeout OUT TIMEOUT_S
+    A Gloo group. Rank 1 never calls ``adasum_allreduce`` (it sleeps TIMEOUT_S + 5 s, as a rank behind a
+    lost link would stay silent); rank 0 calls it with ``timeout=TIMEOUT_S`` and writes ``OUT/rank0.json``:
+    the seconds until the call returned or raised, and the error's type and message.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ import torch.distributed as dist
 
 from adasum_lightning.allreduce import adasum_allreduce
 
-out, group_timeout = Path(sys.argv[1]), float(sys.argv[2])
-timeout = timedelta(seconds=float(sys.argv[3])) if len(sys.argv) > 3 else None
-dist.init_process_group("gloo", timeout=timedelta(seconds=group_timeout))
+out, seconds = Path(sys.argv[1]), float(sys.argv[2])
+timeout = timedelta(seconds=seconds)
+dist.init_process_group("gloo", timeout=timeout)
 if dist.get_rank() == 1:
-    time.sleep(group_timeout + 5)
+    time.sleep(seconds + 5)
 else:
     start = time.monotonic()
     error = None

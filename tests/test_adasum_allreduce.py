@@ -4,11 +4,7 @@ against the reference operator and against Horovod's own Adasum allreduce; plus 
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
@@ -18,34 +14,12 @@ import torch.distributed as dist
 import adasum_lightning.allreduce as ar
 from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.ops import ADASUM_NORM_EPS, adasum, adasum_reduce, is_power_of_two
-from tests.helpers import ROOT, load_ranks, mpi_env, run_horovod
-from tests.helpers import run_torchrun as run_torchrun_worker
+from tests.helpers import load_ranks, run_horovod, run_torchrun
 
 #: max |ours - expected| / max |expected| per dtype (the reference rounds each pairwise step to the dtype,
 #: as the allreduce does; low-precision dtypes may still differ by an ulp where a coefficient's last bit
 #: differs)
 REL_TOL = {"torch.float64": 1e-12, "torch.float32": 1e-5, "torch.float16": 2e-3, "torch.bfloat16": 1e-2}
-
-
-def run_torchrun(np: int, *args: str, timeout: float = 120) -> None:
-    """``torchrun --standalone --nproc-per-node np -m tests.workers.adasum_allreduce ARGS`` from the root.
-
-    In its own session: on a timeout (a hang) the launcher and all its workers are killed.
-    """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={np}"]
-    cmd += ["-m", "tests.workers.adasum_allreduce", *args]
-    proc = subprocess.Popen(
-        cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{output[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{output[-6000:]}")
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -105,7 +79,7 @@ def test_equals_the_reference_on_every_rank(np, prefix_groups, tmp_path):
     group of that size plus the group-to-global rank mapping, without three more launches (each process
     imports torch and Lightning, ~5 s of CPU on this 2-core machine).
     """
-    run_torchrun(np, "gloo", str(tmp_path), *map(str, prefix_groups))
+    run_torchrun(np, "adasum_allreduce", "gloo", str(tmp_path), *map(str, prefix_groups))
     ranks = load_ranks(tmp_path, np)
     assert [(res["rank"], res["size"]) for res in ranks] == [(r, np) for r in range(np)]
     for path in (0, 1):  # binomial tree, vector halving
@@ -172,7 +146,7 @@ def test_equals_horovods_adasum(np, tmp_path):
 def test_a_silent_peer_raises_within_the_timeout(tmp_path):
     # Gloo's point-to-point handles wait without limit unless given one: a rank behind a lost link would
     # block the others until the kernel gives up on the connection (tests/test_two_hosts.py).
-    run_torchrun_worker(2, "p2p_timeout", str(tmp_path), "2", check=False, timeout=120)
+    run_torchrun(2, "p2p_timeout", str(tmp_path), "2", check=False, timeout=120)
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["error"] is not None and result["error"]["type"] == "RuntimeError", result
     assert "Timed out" in result["error"]["message"], result
@@ -185,6 +159,9 @@ def test_gloo_waits_default_to_torchs_process_group_timeout(single_process_group
     assert ar._gloo_wait_timeout(group, timedelta(seconds=5)) == timedelta(seconds=5)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int32, torch.bool, torch.complex64, torch.float8_e4m3fn]
+)
 def test_unsupported_dtype_raises_type_error_naming_it(dtype):
     with pytest.raises(TypeError, match=str(dtype)):
         adasum_allreduce([torch.ones(3), torch.zeros(2, dtype=dtype)])

@@ -130,8 +130,16 @@ def run_lightning(
 
 def plain_env() -> dict[str, str]:
     """:func:`mpi_env` without any launcher's rank variables: a plain ``python`` start."""
-    launchers = ("OMPI_COMM_WORLD", "PMI_", "HOROVOD_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC")
-    launchers += ("SLURM_",)
+    launchers = (
+        "OMPI_COMM_WORLD",
+        "PMI_",
+        "HOROVOD_",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "TORCHELASTIC",
+        "SLURM_",
+    )
     return {k: v for k, v in mpi_env().items() if not k.startswith(launchers)}
 
 

@@ -102,8 +102,6 @@ class UnwrappedDDPStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.lr_scaling = check_lr_scaling(lr_scaling)
-        #: The process group's timeout (``timeout``), also the limit of ``ddp_adasum``'s point-to-point waits.
-        self.process_group_timeout: timedelta | None = timeout
         #: The learning-rate factor applied when fitting started (None before).
         self.lr_factor: float | None = None
         self._sampler_seed = 0

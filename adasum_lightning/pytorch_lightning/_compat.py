@@ -31,6 +31,7 @@ __all__ = [
     "lightning_optimizers",
     "unwrap_lightning_optimizer",
     "layer_sync",
+    "process_group_timeout",
     "has_sigterm_agreement",
     "is_horovod_adasum_optimizer",
     "horovod_completes_window",
@@ -74,6 +75,12 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "ParallelStrategy",
         "pytorch-lightning 2.4.0, 2.6.6",
         attributes=("self._parallel_devices", "self._layer_sync"),
+    ),
+    PrivateApi(
+        "pytorch_lightning.strategies.ddp",
+        "DDPStrategy",
+        "pytorch-lightning 2.4.0, 2.6.6",
+        attributes=("self._timeout",),
     ),
     PrivateApi(
         "pytorch_lightning.core.optimizer",
@@ -152,6 +159,11 @@ def lightning_optimizers(strategy: Any) -> list[Any]:
 def layer_sync(strategy: Any) -> Any:
     """The layer synchronisation the Trainer gave the strategy (``sync_batchnorm=True``), else None."""
     return strategy._layer_sync
+
+
+def process_group_timeout(strategy: Any) -> Any:
+    """The ``timeout`` a DDP strategy gives its process group (``DDPStrategy(timeout=...)``)."""
+    return strategy._timeout
 
 
 def unwrap_lightning_optimizer(optimizer: Any) -> Optimizer:

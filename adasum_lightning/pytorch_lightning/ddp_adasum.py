@@ -14,6 +14,7 @@ from typing_extensions import override
 from adasum_lightning import validation
 from adasum_lightning.allreduce import adasum_allreduce, release_workspace
 
+from . import _compat
 from ._base import UnwrappedDDPStrategy, reported_on_every_rank
 
 __all__ = ["DDPAdasumStrategy"]
@@ -103,7 +104,7 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
             deltas = [p.data for p in params]
             for delta, start in zip(deltas, before, strict=True):
                 delta.sub_(start)
-            adasum_allreduce(deltas, timeout=self.process_group_timeout)
+            adasum_allreduce(deltas, timeout=_compat.process_group_timeout(self))  # Gloo's p2p waits
             for delta, start in zip(deltas, before, strict=True):
                 delta.add_(start)
         self._deliver_pending_sigterm()

@@ -15,6 +15,13 @@ The strategy classes exist once per Lightning package (see :mod:`adasum_lightnin
 ``adasum_lightning.lightning.X`` for ``lightning.pytorch.Trainer``. A bare ``adasum_lightning.X`` is the
 one for the package this process has imported. Importing this package imports neither Lightning package
 nor Horovod, and initialises nothing.
+
+With ``torch`` alone (no Lightning installed) the Adasum reduction and the optimizer wrapper work:
+:class:`AdasumOptimizer` for a plain ``torch.distributed`` training loop, :func:`adasum_allreduce`,
+:func:`adasum_step`. The strategy names need Lightning; asking for a strategy class without it raises an
+``ImportError`` that names the pip command. Fabric users get ``Fabric(strategy="ddp_adasum")`` (and
+``"horovod_adasum"``, ``"horovod"``) the same way, registered with ``lightning_fabric``'s and
+``lightning.fabric``'s strategy registries.
 """
 
 from __future__ import annotations
@@ -25,18 +32,15 @@ from adasum_lightning import _namespaces
 from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.ops import adasum, adasum_reduce
+from adasum_lightning.optimizer import AdasumOptimizer
+from adasum_lightning.step import adasum_step
 
 __version__ = "0.2.0"
 
 #: Names resolved to the strategies of the Lightning package in use (see :func:`_namespaces.resolve`).
 _PER_PACKAGE = ("HorovodAdasumStrategy", "HorovodStrategy", "DDPAdasumStrategy", "HorovodEnvironment")
 
-__all__ = [*_PER_PACKAGE, "adasum", "adasum_allreduce", "adasum_reduce"]
-
-if not _namespaces.installed():
-    raise ImportError(_namespaces.missing_lightning_message())
-
-_namespaces.register_when_imported()
+__all__ = [*_PER_PACKAGE, "AdasumOptimizer", "adasum", "adasum_allreduce", "adasum_reduce", "adasum_step"]
 
 
 def __getattr__(name: str) -> Any:
@@ -45,7 +49,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'adasum_lightning' has no attribute {name!r}")
 
 
-def _set_rank_zero_from_launcher() -> None:
+def _set_rank_zero_from_launcher() -> None:  # only where a Lightning package is installed
     # Lightning reads RANK/LOCAL_RANK/… when it is imported; under mpirun only OMPI_* are set, so every rank
     # would print rank-zero messages until fit starts. Both Lightning packages share lightning_utilities'
     # ``rank_zero_only``: give it the launcher's rank once it is imported (no Horovod initialisation).
@@ -58,4 +62,6 @@ def _set_rank_zero_from_launcher() -> None:
         )
 
 
-_set_rank_zero_from_launcher()
+if _namespaces.installed((*_namespaces.NAMESPACES, *_namespaces.FABRIC_NAMESPACES)):
+    _namespaces.register_when_imported()
+    _set_rank_zero_from_launcher()

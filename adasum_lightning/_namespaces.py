@@ -33,13 +33,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import wrapt
-
-__all__ = ["NAMESPACES", "Namespace", "installed", "strategies_for", "resolve", "register_when_imported"]
+__all__ = [
+    "NAMESPACES",
+    "FABRIC_NAMESPACES",
+    "Namespace",
+    "installed",
+    "strategies_for",
+    "resolve",
+    "register_when_imported",
+]
 
 _SOURCE_PACKAGE = "adasum_lightning.pytorch_lightning"
-_SOURCE_DIR = Path(__file__).resolve().parent / "pytorch_lightning"
 _MIRROR_PACKAGE = "adasum_lightning.lightning"
+_FABRIC_SOURCE_PACKAGE = "adasum_lightning.fabric"
+_FABRIC_MIRROR_PACKAGE = "adasum_lightning.lightning.fabric"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+#: Mirror package → the source folder it is loaded from, the more specific first.
+_MIRRORS = (
+    (_FABRIC_MIRROR_PACKAGE, _PACKAGE_DIR / "fabric"),
+    (_MIRROR_PACKAGE, _PACKAGE_DIR / "pytorch_lightning"),
+)
 
 
 @dataclass(frozen=True)
@@ -47,8 +60,8 @@ class Namespace:
     """One Lightning package name.
 
     Attributes:
-        trainer_module: the module whose ``Trainer`` users build (``"pytorch_lightning"`` or
-            ``"lightning.pytorch"``).
+        trainer_module: the module whose ``Trainer`` (or ``Fabric``) users build (``"pytorch_lightning"``,
+            ``"lightning.pytorch"``, ``"lightning_fabric"`` or ``"lightning.fabric"``).
         distribution: the pip distribution that provides it (``"pytorch-lightning"`` or ``"lightning"``).
         strategies_module: this project's copy of the strategies for it.
     """
@@ -64,16 +77,24 @@ NAMESPACES: tuple[Namespace, ...] = (
     Namespace("lightning.pytorch", "lightning", _MIRROR_PACKAGE),
 )
 
+#: The Fabric packages: the standalone ``lightning_fabric`` (``pip install lightning-fabric``, also brought by
+#: pytorch-lightning) and the unified package's ``lightning.fabric``.
+FABRIC_NAMESPACES: tuple[Namespace, ...] = (
+    Namespace("lightning_fabric", "lightning-fabric", _FABRIC_SOURCE_PACKAGE),
+    Namespace("lightning.fabric", "lightning", _FABRIC_MIRROR_PACKAGE),
+)
+
 _RENAMES = (
     (re.compile(r"\bpytorch_lightning\b"), "lightning.pytorch"),
     (re.compile(r"\blightning_fabric\b"), "lightning.fabric"),
+    (re.compile(r"\badasum_lightning\.fabric\b"), _FABRIC_MIRROR_PACKAGE),
 )
 
 
-def installed() -> list[Namespace]:
-    """The Lightning packages importable here (found on the path; nothing is imported)."""
+def installed(namespaces: tuple[Namespace, ...] = NAMESPACES) -> list[Namespace]:
+    """The Lightning packages of ``namespaces`` importable here (found on the path; nothing is imported)."""
     found = []
-    for namespace in NAMESPACES:
+    for namespace in namespaces:
         top = namespace.trainer_module.split(".")[0]
         if top in sys.modules and sys.modules[top] is None:
             continue  # import blocked
@@ -137,15 +158,17 @@ def _register(namespace: Namespace) -> None:
 
 
 def register_when_imported() -> None:
-    """Register the strategy names with each Lightning package's ``StrategyRegistry`` once it is imported
-    (at once for a package already imported)."""
+    """Register the strategy names with each Lightning package's ``StrategyRegistry`` (and Fabric's
+    ``STRATEGY_REGISTRY``) once it is imported (at once for a package already imported)."""
+    import wrapt  # installed with Lightning; not needed for the torch-only part of the project
+
     sys.meta_path.insert(0, _MirrorFinder())
-    for namespace in NAMESPACES:
+    for namespace in (*NAMESPACES, *FABRIC_NAMESPACES):
         wrapt.register_post_import_hook(lambda _module, ns=namespace: _register(ns), namespace.trainer_module)
 
 
 class _MirrorLoader(importlib.abc.SourceLoader):
-    """Loads a module of :data:`_SOURCE_PACKAGE` under :data:`_MIRROR_PACKAGE` with the imports renamed.
+    """Loads a module of a source subpackage under its mirror (:data:`_MIRRORS`) with the imports renamed.
 
     The renamed source is compiled from the original file (line numbers, and so tracebacks, are those of the
     file) and never cached as bytecode, so the two copies cannot share a stale ``.pyc``.
@@ -165,13 +188,16 @@ class _MirrorLoader(importlib.abc.SourceLoader):
 
 
 class _MirrorFinder(importlib.abc.MetaPathFinder):
-    """Finds ``adasum_lightning.lightning[.X]``: the renamed ``adasum_lightning/pytorch_lightning[/X].py``."""
+    """Finds ``adasum_lightning.lightning[.X]`` (the renamed ``adasum_lightning/pytorch_lightning[/X].py``)
+    and ``adasum_lightning.lightning.fabric[.X]`` (the renamed ``adasum_lightning/fabric[/X].py``)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _MIRROR_PACKAGE and not fullname.startswith(_MIRROR_PACKAGE + "."):
+        found = [(m, d) for m, d in _MIRRORS if fullname == m or fullname.startswith(m + ".")]
+        if not found:
             return None
-        parts = fullname[len(_MIRROR_PACKAGE) :].lstrip(".").split(".") if fullname != _MIRROR_PACKAGE else []
-        source = _SOURCE_DIR.joinpath(*parts)
+        mirror, source_dir = found[0]
+        parts = fullname[len(mirror) :].lstrip(".").split(".") if fullname != mirror else []
+        source = source_dir.joinpath(*parts)
         is_package = source.is_dir()
         source = source / "__init__.py" if is_package else source.with_suffix(".py")
         if not source.is_file():

@@ -1,9 +1,9 @@
-"""Rules that refuse configurations in which Horovod's Adasum would fail late or silently.
+"""Rules that refuse configurations in which Adasum (Horovod's, ``ddp_adasum``'s) would fail late or silently.
 
 Each rule is a pure function of plain values, so it can be tested exhaustively without processes; the
-strategy calls them while ``Trainer.fit`` sets up, before any training step. Every rank evaluates them on
-the same (gathered) values, so every rank raises the same :class:`AdasumConfigurationError` and the job
-exits instead of hanging in a collective.
+strategies (Trainer and Fabric) call them while they set up, before any training step. Every rank evaluates
+them on the same (gathered) values, so every rank raises the same :class:`AdasumConfigurationError` and the
+job exits instead of hanging in a collective.
 
 Sources: Horovod 0.28.1 ``horovod/torch/mpi_ops.py`` (CPU Adasum needs a power-of-2 world size),
 ``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum:
@@ -14,8 +14,10 @@ reduce-scatter inside a node, Adasum across nodes, power-of-2 node count, homoge
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -33,11 +35,14 @@ __all__ = [
     "check_gradient_clipping",
     "check_gradient_predivide_factor",
     "check_single_device",
+    "check_module_unwrapped",
     "check_launch",
     "check_closure_optimizers",
     "check_horovod_dtypes",
     "check_sync_batchnorm",
+    "check_launcher_world_size",
     "check_trainer_world_size",
+    "reported_on_every_rank",
     "unreadable_checkpoint",
     "CHECKPOINT_READ_ERRORS",
 ]
@@ -221,18 +226,34 @@ def check_gradient_predivide_factor(factor: float) -> None:
         )
 
 
-def check_single_device(tensors: Iterable[torch.Tensor]) -> None:
+def check_single_device(strategy_name: str, tensors: Iterable[torch.Tensor]) -> None:
     """One process drives one device: every parameter and buffer must be on the same device.
 
     Raises:
-        AdasumConfigurationError: naming the devices found.
+        AdasumConfigurationError: naming the devices found and how to start one process per device.
     """
     devices = sorted({str(t.device) for t in tensors})
     if len(devices) > 1:
+        launch = "horovodrun -np N" if strategy_name.startswith("horovod") else "devices=N, or torchrun"
         raise AdasumConfigurationError(
-            f"Horovod strategies run one process per device, but this module's parameters span {devices}. "
+            f"{strategy_name} runs one process per device, but this module's parameters span {devices}. "
             "Keep the whole module on one device (Lightning moves it to cuda:<local rank> or cpu) and start "
-            "one process per GPU with horovodrun."
+            f"one process per GPU ({launch})."
+        )
+
+
+def check_module_unwrapped(strategy_name: str, wrapped_in_ddp: bool) -> None:
+    """A module already wrapped in ``DistributedDataParallel`` would average its gradients in backward before
+    the Adasum of the updates: two reductions, the first one undoing Adasum's point.
+
+    Raises:
+        AdasumConfigurationError: when ``wrapped_in_ddp``.
+    """
+    if wrapped_in_ddp:
+        raise AdasumConfigurationError(
+            f"{strategy_name} was given a module wrapped in DistributedDataParallel: its gradients would be "
+            "averaged in backward before Adasum combines the updates. Pass the module itself "
+            "(fabric.setup(model, optimizer) with the plain nn.Module)."
         )
 
 
@@ -348,8 +369,10 @@ def check_sync_batchnorm(device_type: str, requested: bool, sync_layers: Sequenc
         )
 
 
-def check_trainer_world_size(launcher_world_size: int, devices: int, num_nodes: int) -> None:
-    """The processes a launcher started must be the ``Trainer``'s ``devices × num_nodes``.
+def check_launcher_world_size(
+    launcher_world_size: int, devices: int, num_nodes: int, api: str = "Trainer"
+) -> None:
+    """The processes a launcher started must be the ``Trainer``'s (or ``Fabric``'s) ``devices × num_nodes``.
 
     Under Lightning's generic cluster environment (Azure ML PyTorch jobs, a hand-set ``MASTER_ADDR``/
     ``NODE_RANK``/``LOCAL_RANK``) Lightning computes each rank as ``node_rank × devices + local_rank`` and the
@@ -362,9 +385,13 @@ def check_trainer_world_size(launcher_world_size: int, devices: int, num_nodes: 
     if launcher_world_size != devices * num_nodes:
         raise AdasumConfigurationError(
             f"the launcher started {launcher_world_size} processes (WORLD_SIZE={launcher_world_size}), but "
-            f"the Trainer describes devices={devices} × num_nodes={num_nodes} = {devices * num_nodes}. Set "
-            "Trainer(devices=<processes per node>, num_nodes=<nodes>) to match the launch."
+            f"the {api} describes devices={devices} × num_nodes={num_nodes} = {devices * num_nodes}. Set "
+            f"{api}(devices=<processes per node>, num_nodes=<nodes>) to match the launch."
         )
+
+
+#: The Trainer's name for :func:`check_launcher_world_size` (kept for existing imports).
+check_trainer_world_size = check_launcher_world_size
 
 
 def unreadable_checkpoint(path: object, err: BaseException, rank: int) -> RuntimeError:
@@ -388,3 +415,14 @@ CHECKPOINT_READ_ERRORS = (
     KeyError,
     IndexError,
 )
+
+
+@contextlib.contextmanager
+def reported_on_every_rank(rank: int) -> Iterator[None]:
+    """Print a refused configuration on this rank at once: when the first rank exits, the launcher kills the
+    others, which could then die before Python prints their traceback."""
+    try:
+        yield
+    except AdasumConfigurationError as err:
+        print(f"AdasumConfigurationError on rank {rank}: {err}", file=sys.stderr, flush=True)
+        raise

@@ -14,12 +14,9 @@ is built the same way: the engine communicates gradients, ``DDPStrategy``'s code
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -41,7 +38,7 @@ from adasum_lightning.learning_rate import check_lr_scaling, scale_learning_rate
 
 from . import _compat
 
-__all__ = ["UnwrappedDDPStrategy", "reported_on_every_rank"]
+__all__ = ["UpdateReducingDDPStrategy"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +46,7 @@ log = logging.getLogger(__name__)
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 
 
-class UnwrappedDDPStrategy(DDPStrategy):
+class UpdateReducingDDPStrategy(DDPStrategy):
     """``DDPStrategy``'s process group and collectives, without ``DistributedDataParallel``.
 
     Subclasses reduce the training update themselves. Common to all of them:
@@ -123,13 +120,14 @@ class UnwrappedDDPStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            with reported_on_every_rank(self.global_rank):
+            with validation.reported_on_every_rank(self.global_rank):
                 self._validate_trainer(trainer)
         super().setup(trainer)
         assert self.lightning_module is not None
-        validation.check_single_device(
-            [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
-        )
+        with validation.reported_on_every_rank(self.global_rank):
+            validation.check_single_device(
+                self.strategy_name, [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
+            )
         if fitting:
             self.lr_factor = self.lr_scale_factor()
             scale_learning_rates(
@@ -253,14 +251,3 @@ class UnwrappedDDPStrategy(DDPStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0], override=True
         )
-
-
-@contextlib.contextmanager
-def reported_on_every_rank(rank: int) -> Iterator[None]:
-    """Print a refused configuration on this rank at once: when the first rank exits, the launcher kills the
-    others, which could then die before Python prints their traceback."""
-    try:
-        yield
-    except validation.AdasumConfigurationError as err:
-        print(f"AdasumConfigurationError on rank {rank}: {err}", file=sys.stderr, flush=True)
-        raise

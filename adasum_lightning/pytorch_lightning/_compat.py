@@ -12,15 +12,15 @@ Read from: pytorch-lightning 2.4.0 and 2.6.6 (and lightning 2.6.6, the same sour
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pytorch_lightning.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from torch.optim import Optimizer
+
+from adasum_lightning._private_apis import PrivateApi, _check
+from adasum_lightning.fabric import _compat as fabric_compat
 
 __all__ = [
     "PRIVATE_APIS",
@@ -39,17 +39,6 @@ __all__ = [
     "release_horovod_hooks",
     "mark_step_for_schedulers",
 ]
-
-
-@dataclass(frozen=True)
-class PrivateApi:
-    """One private name: ``module`` holds ``name``; ``attributes`` must appear in its source."""
-
-    module: str
-    name: str
-    read_from: str
-    attributes: tuple[str, ...] = ()
-    optional: bool = False  # a feature some supported versions lack (used only where present)
 
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
@@ -116,27 +105,12 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 )
 
 
-def _check(api: PrivateApi) -> str | None:
-    try:
-        module = importlib.import_module(api.module)
-    except ImportError as err:
-        return f"{api.module} cannot be imported ({err})"
-    obj = getattr(module, api.name, None)
-    if obj is None:
-        return f"{api.module}.{api.name} is gone (read from {api.read_from})"
-    if api.attributes:
-        source = inspect.getsource(module)
-        lost = [attribute for attribute in api.attributes if attribute not in source]
-        if lost:
-            return f"{api.module}.{api.name} no longer uses {lost} (read from {api.read_from})"
-    return None
-
-
 def missing(include_optional: bool = False) -> list[str]:
-    """One line per private API the installed versions lack (empty when all are there)."""
+    """One line per private API the installed versions lack (empty when all are there); the Fabric
+    strategies' entries (:mod:`adasum_lightning.fabric._compat`) included."""
     return [
         problem
-        for api in PRIVATE_APIS
+        for api in (*PRIVATE_APIS, *fabric_compat.PRIVATE_APIS)
         if (include_optional or not api.optional) and (problem := _check(api)) is not None
     ]
 

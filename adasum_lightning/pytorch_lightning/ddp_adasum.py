@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -12,15 +13,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
-from adasum_lightning.allreduce import adasum_allreduce, release_workspace
+from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.step import adasum_step, optimizer_parameters
 
 from . import _compat
-from ._base import UnwrappedDDPStrategy, reported_on_every_rank
+from ._base import UpdateReducingDDPStrategy
 
 __all__ = ["DDPAdasumStrategy"]
 
 
-class DDPAdasumStrategy(UnwrappedDDPStrategy):
+class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     """Data-parallel training with Adasum on ``torch.distributed``: parameter deltas combined adaptively.
 
     **Step semantics.** At each optimizer step every rank first runs Lightning's normal local step — the
@@ -42,9 +44,11 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
 
     Lightning starts the processes (``Trainer(devices=N)``), or ``torchrun``, SLURM or an Azure ML PyTorch
     job does (Lightning's cluster environments); Gloo on CPU, NCCL on GPU. Horovod is not used. Everything
-    else across ranks is Lightning's ``DDPStrategy`` (see :class:`._base.UnwrappedDDPStrategy`).
+    else across ranks is Lightning's ``DDPStrategy`` (see :class:`._base.UpdateReducingDDPStrategy`).
 
-    Memory: one extra copy of the parameters of the optimizer that steps (``θ_before``), held during the step.
+    The step is :func:`adasum_lightning.step.adasum_step`, shared with ``Fabric(strategy="ddp_adasum")`` and
+    :class:`adasum_lightning.AdasumOptimizer`. Memory: one extra copy of the parameters of the optimizer that
+    steps (``θ_before``), held during the step.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
@@ -62,7 +66,7 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
     """
 
     strategy_name = "ddp_adasum"
-    # __init__: UnwrappedDDPStrategy's (the arguments above)
+    # __init__: UpdateReducingDDPStrategy's (the arguments above)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -70,9 +74,9 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
         environment = self.cluster_environment
         launched_outside = environment is not None and environment.creates_processes_externally
         if launched_outside and os.environ.get("WORLD_SIZE", "").isdigit():
-            with reported_on_every_rank(self.global_rank):
+            with validation.reported_on_every_rank(self.global_rank):
                 # before the rendezvous, which a mismatch would leave waiting
-                validation.check_trainer_world_size(
+                validation.check_launcher_world_size(
                     int(os.environ["WORLD_SIZE"]), self.num_processes, self.num_nodes
                 )
         super().setup_environment()
@@ -91,22 +95,9 @@ class DDPAdasumStrategy(UnwrappedDDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """Lightning's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
-        if self.world_size == 1:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-            self._deliver_pending_sigterm()
-            return output
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        with torch.no_grad():
-            before = [p.detach().clone() for p in params]
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        with torch.no_grad():
-            # Turn each parameter into its delta in place, combine, add back: one extra copy (``before``).
-            deltas = [p.data for p in params]
-            for delta, start in zip(deltas, before, strict=True):
-                delta.sub_(start)
-            adasum_allreduce(deltas, timeout=_compat.process_group_timeout(self))  # Gloo's p2p waits
-            for delta, start in zip(deltas, before, strict=True):
-                delta.add_(start)
+        local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        params = optimizer_parameters(_compat.unwrap_lightning_optimizer(optimizer))
+        output = adasum_step(params, local_step, timeout=_compat.process_group_timeout(self))
         self._deliver_pending_sigterm()
         return output
 

@@ -38,7 +38,7 @@ from adasum_lightning import validation
 from adasum_lightning.launchers import seen_launcher
 
 from . import _compat
-from ._base import UnwrappedDDPStrategy, reported_on_every_rank
+from ._base import UpdateReducingDDPStrategy
 from .environment import HorovodEnvironment
 
 __all__ = ["HorovodStrategy", "HorovodAdasumStrategy", "import_horovod"]
@@ -61,7 +61,7 @@ def import_horovod() -> Any:
     return hvd
 
 
-class HorovodStrategy(UnwrappedDDPStrategy):
+class HorovodStrategy(UpdateReducingDDPStrategy):
     """Data-parallel training with Horovod: one process per device, gradients averaged by allreduce.
 
     This is pytorch-lightning 1.x's ``strategy="horovod"`` for Lightning 2.x: each optimizer is wrapped in
@@ -69,9 +69,9 @@ class HorovodStrategy(UnwrappedDDPStrategy):
     multiplied by the world size (PL #2574). :class:`HorovodAdasumStrategy` is the Adasum variant.
 
     Beside Horovod, a ``torch.distributed`` process group over the same ranks (Gloo on CPU, NCCL on GPU)
-    carries Lightning's own collectives (see :class:`._base.UnwrappedDDPStrategy`). Its address is rank 0's
-    (``127.0.0.1`` when every rank runs on one host; ``MASTER_ADDR`` when set), its port a free one rank 0
-    picks (``MASTER_PORT`` when set); Horovod broadcasts both.
+    carries Lightning's own collectives (see :class:`._base.UpdateReducingDDPStrategy`). Its address is
+    rank 0's (``127.0.0.1`` when every rank runs on one host; ``MASTER_ADDR`` when set), its port a free one
+    rank 0 picks (``MASTER_PORT`` when set); Horovod broadcasts both.
 
     Args:
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy.
@@ -156,7 +156,7 @@ class HorovodStrategy(UnwrappedDDPStrategy):
 
     @optimizers.setter
     def optimizers(self, optimizers: list[Optimizer]) -> None:
-        UnwrappedDDPStrategy.optimizers.fset(self, optimizers)
+        super(HorovodStrategy, type(self)).optimizers.fset(self, optimizers)
         # Lightning's LightningOptimizer subclasses the optimizer's class; Horovod's wrapper methods call
         # super(self.__class__, self), which then recurses forever (manual optimisation's opt.zero_grad()).
         # Route those methods to the wrapper itself.
@@ -176,7 +176,7 @@ class HorovodStrategy(UnwrappedDDPStrategy):
         hvd = self.hvd
         hvd.init()
         rank_zero_only.rank = hvd.rank()
-        with reported_on_every_rank(hvd.rank()):
+        with validation.reported_on_every_rank(hvd.rank()):
             # before the first collective: a bad launch can crash or hang in one
             validation.check_launch(hvd.size(), seen_launcher(), self._requested_devices)
             self._validate_environment()
@@ -205,7 +205,7 @@ class HorovodStrategy(UnwrappedDDPStrategy):
             proposal, root_rank=0, name="adasum_lightning.pg_address"
         )
         if problem:
-            with reported_on_every_rank(hvd.rank()):
+            with validation.reported_on_every_rank(hvd.rank()):
                 raise validation.AdasumConfigurationError(problem)
         environment = self.cluster_environment
         assert isinstance(environment, HorovodEnvironment)
@@ -218,7 +218,7 @@ class HorovodStrategy(UnwrappedDDPStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()
         assert self.model is not None
-        with reported_on_every_rank(self.global_rank):
+        with validation.reported_on_every_rank(self.global_rank):
             validation.check_horovod_dtypes(
                 self.strategy_name,
                 self.root_device.type,
@@ -231,7 +231,7 @@ class HorovodStrategy(UnwrappedDDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         originals = list(self.optimizers)
-        with reported_on_every_rank(self.global_rank):
+        with validation.reported_on_every_rank(self.global_rank):
             self._validate_optimizers(originals)
         self.optimizers = [
             self._wrap_optimizer(optimizer, index, trainer.accumulate_grad_batches)
@@ -285,14 +285,36 @@ class HorovodStrategy(UnwrappedDDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Average: wait for the gradient allreduce right after backward (before clipping and before
-        Lightning's ``on_before_optimizer_step``), then step without a second synchronisation.
+        """Horovod's reduction of the step (``hvd.DistributedOptimizer``), then any SIGTERM deferred to here.
 
-        For an optimizer whose ``step`` needs a closure (LBFGS, which evaluates it several times per step),
-        the loss the closure returns to the optimizer is averaged over the ranks too, so that every rank
-        takes the same decisions on the same averaged gradients and stays identical.
+        Averaging (``horovod``, and ``horovod_adasum`` at world size 1, where Horovod returns its averaging
+        wrapper): wait for the gradient allreduce right after backward (before clipping and before Lightning's
+        ``on_before_optimizer_step``), then step without a second synchronisation. For an optimizer whose
+        ``step`` needs a closure (LBFGS, which evaluates it several times per step), the loss the closure
+        returns to the optimizer is averaged over the ranks too, so that every rank takes the same decisions
+        on the same averaged gradients and stays identical.
+
+        Adasum (``horovod_adasum``): Horovod's ``step()`` runs the closure (forward and backward, whose hooks
+        already ran the local step and started the delta allreduce), then waits and applies the reduced
+        delta. It has no ``synchronize()`` and its ``skip_synchronize()`` raises, so the step goes straight
+        through.
         """
         hvd_optimizer = _compat.unwrap_lightning_optimizer(optimizer)
+        if _compat.is_horovod_adasum_optimizer(hvd_optimizer):
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
+            output = self._averaging_step(hvd_optimizer, optimizer, closure, model, **kwargs)
+        self._deliver_pending_sigterm()
+        return output
+
+    def _averaging_step(
+        self,
+        hvd_optimizer: Optimizer,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None,
+        **kwargs: Any,
+    ) -> Any:
         average_loss = _needs_closure(hvd_optimizer)
 
         def closure_then_synchronize() -> Any:
@@ -303,9 +325,7 @@ class HorovodStrategy(UnwrappedDDPStrategy):
             return result
 
         with hvd_optimizer.skip_synchronize():
-            output = super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
-        self._deliver_pending_sigterm()
-        return output
+            return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
 
     @override
     def teardown(self) -> None:
@@ -408,24 +428,6 @@ class HorovodAdasumStrategy(HorovodStrategy):
         hvd = self.hvd
         on_gpu = self.root_device.type == "cuda"
         return float(hvd.local_size()) if on_gpu and hvd.nccl_built() else 1.0
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        # Horovod's Adasum step() runs the closure (forward + backward, whose hooks already did the local step
-        # and started the delta allreduce), then waits and applies the reduced delta. It has no synchronize()
-        # and its skip_synchronize() raises, so the step goes straight through. With world size 1 Horovod
-        # returns its averaging wrapper, which takes the averaging path.
-        if not _compat.is_horovod_adasum_optimizer(_compat.unwrap_lightning_optimizer(optimizer)):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        output = UnwrappedDDPStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
-        self._deliver_pending_sigterm()
-        return output
 
 
 def _needs_closure(optimizer: Optimizer) -> bool:

@@ -1,0 +1,46 @@
+"""The private Fabric APIs the Fabric strategies use (checked with the Trainer's list by
+``adasum_lightning.pytorch_lightning._compat.missing``; ``tests/test_compat.py``).
+
+Read from: lightning-fabric 2.4.0 and 2.6.6 (and lightning 2.6.6's ``lightning.fabric``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning_fabric.strategies.strategy import _BackwardSyncControl
+
+from adasum_lightning._private_apis import PrivateApi
+
+__all__ = ["PRIVATE_APIS", "BackwardSyncControl", "process_group_timeout"]
+
+PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    # The interface behind fabric.no_backward_sync; a strategy sets _backward_sync_control to one.
+    PrivateApi(
+        "lightning_fabric.strategies.strategy",
+        "_BackwardSyncControl",
+        "lightning-fabric 2.4.0, 2.6.6",
+    ),
+    PrivateApi(
+        "lightning_fabric.strategies.strategy",
+        "Strategy",
+        "lightning-fabric 2.4.0, 2.6.6",
+        attributes=("self._backward_sync_control",),
+    ),
+    PrivateApi(
+        "lightning_fabric.strategies.ddp",
+        "DDPStrategy",
+        "lightning-fabric 2.4.0, 2.6.6",
+        attributes=("self._timeout",),
+    ),
+)
+
+
+def process_group_timeout(strategy: Any) -> timedelta | None:
+    """The ``timeout`` a Fabric DDP strategy gives its process group (``DDPStrategy(timeout=...)``)."""
+    return strategy._timeout
+
+
+#: The interface a strategy implements for ``fabric.no_backward_sync`` (its ``_backward_sync_control``).
+BackwardSyncControl = _BackwardSyncControl

@@ -1,0 +1,148 @@
+"""``AdasumOptimizer``: Adasum for a plain PyTorch training loop on ``torch.distributed`` (no Lightning)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from adasum_lightning.step import adasum_step, broadcast_from_rank_zero, optimizer_parameters
+
+__all__ = ["AdasumOptimizer"]
+
+
+class AdasumOptimizer(Optimizer):
+    """Wrap any ``torch.optim`` optimizer so that every ``step()`` combines the ranks' updates by Adasum.
+
+    ``step(closure=None)`` runs the wrapped optimizer's step on this rank's gradients, then replaces the
+    change of every parameter by the Adasum of all ranks' changes over ``process_group``
+    (:func:`adasum_lightning.step.adasum_step`) — the step semantics of ``strategy="ddp_adasum"``: each rank
+    keeps its own optimizer state, every rank holds the same parameters after every step, and the learning
+    rate needs no scaling by world size. At construction every rank takes the first rank's parameter values
+    (as ``DistributedDataParallel`` does), and so do parameters given later to :meth:`add_param_group`.
+
+    The rest is the wrapped optimizer's: ``param_groups`` and ``state`` are its own objects, ``zero_grad``,
+    ``state_dict``/``load_state_dict`` are its own; LR schedulers take the wrapper. Use it as usual:
+
+    - gradient accumulation: call ``step()`` every k-th batch (the ranks must agree on k);
+    - clipping: ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` before ``step()``;
+    - closures (``LBFGS``): ``step(closure)``; the closure runs on this rank only;
+    - ``torch.amp.GradScaler``: ``scaler.step(opt)`` unscales and checks for inf/NaN as usual; a step the
+      scaler skips on this rank takes part with a zero update, so the other ranks do not wait for it.
+
+    Every rank must call ``step()`` the same number of times; a rank that stops stepping leaves the others
+    waiting up to ``timeout``.
+
+    Args:
+        optimizer: the optimizer to wrap (any ``torch.optim.Optimizer``).
+        process_group: the ranks that combine their updates (default: the default process group).
+        timeout: how long one exchange waits for a peer before this rank fails (default: torch's default
+            process-group timeout, 30 minutes); see :func:`adasum_lightning.adasum_allreduce`.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        RuntimeError: ``torch.distributed`` is not initialised; the message names the fix.
+    """
+
+    #: ``GradScaler.step`` then hands the scale and the inf/NaN flag to :meth:`step` (``grad_scale``,
+    #: ``found_inf``) instead of skipping the call, so that a skipped step still takes part in the reduction.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        process_group: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"AdasumOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}: build the "
+                "optimizer first, e.g. AdasumOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))."
+            )
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "AdasumOptimizer needs torch.distributed: call torch.distributed.init_process_group() "
+                "before building it (torchrun sets its variables; backend 'gloo' on CPU, 'nccl' on GPU). For "
+                "a single process, use the optimizer itself."
+            )
+        self.optimizer = optimizer
+        self.process_group = process_group
+        self.timeout = timeout
+        # Optimizer.__init__ gives the wrapper its step hooks and profiling; then the wrapper shares the
+        # wrapped optimizer's param_groups list and state (add_param_group below tells the two phases apart).
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._share_wrapped_state()
+        broadcast_from_rank_zero(optimizer_parameters(optimizer), process_group)
+
+    # ------------------------------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The wrapped optimizer's step on this rank, then the Adasum of the parameter updates over the group.
+
+        Returns:
+            What the wrapped optimizer's ``step`` returns (the closure's loss, if any); None for a step that a
+            gradient scaler skipped.
+        """
+        # Set by GradScaler.step (see _step_supports_amp_scaling) and removed by it after this call.
+        grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+
+        def local_step() -> Any:
+            if found_inf is not None and bool(found_inf.item()):
+                return None  # inf/NaN gradients on this rank: no local update, a zero delta
+            if grad_scale is not None:
+                if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                    return self._step_with_scale_handed_on(grad_scale, found_inf)  # e.g. fused Adam
+                self._unscale_gradients(grad_scale)
+            if closure is None:
+                return self.optimizer.step()
+            with torch.enable_grad():
+                return self.optimizer.step(closure)
+
+        return adasum_step(optimizer_parameters(self.optimizer), local_step, self.process_group, self.timeout)
+
+    def _step_with_scale_handed_on(self, grad_scale: torch.Tensor, found_inf: torch.Tensor | None) -> Any:
+        # An optimizer that unscales in its own kernel takes the two attributes as GradScaler gives them.
+        self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
+        try:
+            return self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale, self.optimizer.found_inf
+
+    def _unscale_gradients(self, grad_scale: torch.Tensor) -> None:
+        # GradScaler's own unscaling multiplies by the float32 reciprocal of the float64 scale.
+        inv_scale = grad_scale.double().reciprocal().float()
+        for p in optimizer_parameters(self.optimizer):
+            if p.grad is not None:
+                p.grad.mul_(inv_scale.to(p.grad.device))
+
+    # ------------------------------------------------------------------------------------------ delegation
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group to the wrapped optimizer; its parameters take the first rank's values."""
+        if self.param_groups is not self.optimizer.param_groups:
+            super().add_param_group(param_group)  # Optimizer.__init__ filling the wrapper's own list
+            return
+        self.optimizer.add_param_group(param_group)
+        broadcast_from_rank_zero(self.optimizer.param_groups[-1]["params"], self.process_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self._share_wrapped_state()  # loading replaces the wrapped optimizer's groups and state objects
+
+    def _share_wrapped_state(self) -> None:
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.defaults = self.optimizer.defaults
+
+    def __repr__(self) -> str:
+        return f"AdasumOptimizer({self.optimizer!r})"

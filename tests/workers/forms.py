@@ -1,0 +1,204 @@
+"""Worker: the same short training in one of the three forms of Adasum; every rank saves OUT/rank{r}.pt.
+
+usage: python -m tests.workers.forms OUT --form {plain,fabric,trainer} [options]
+
+- ``plain``: a plain ``torch.distributed`` loop with :class:`adasum_lightning.AdasumOptimizer` (start it
+  with ``torchrun``); imports no Lightning package.
+- ``fabric``: ``Fabric(strategy="ddp_adasum", devices=N)`` and ``fabric.launch()`` (started as a plain
+  python); the Fabric package is ``--fabric-package`` (``lightning_fabric`` or ``lightning.fabric``).
+- ``trainer``: ``Trainer(strategy="ddp_adasum", devices=N)`` on ``TinyModule`` (Lightning starts the
+  processes).
+
+All three: the tiny net, rank 0's initial weights (seed 100; the other ranks seed differently), 64 samples
+in per-rank shards of a shuffling ``DistributedSampler`` (rank 0's seed, a new order each epoch), batches of
+4, ``--epochs`` epochs, the loss divided by ``--accumulate`` and a step every ``--accumulate`` batches (and
+at an epoch's last batch, as Lightning does), optional norm clipping, and fp16 with a ``GradScaler`` whose
+step ``--inf-rank`` skips at optimizer step ``--inf-step`` (an infinite loss on that rank only).
+"""
+
+import argparse
+import importlib
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.workers.samples import IndexedData, tiny_net
+
+FABRIC_PACKAGES = ("lightning_fabric", "lightning.fabric")
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("--form", required=True, choices=("plain", "fabric", "trainer"))
+p.add_argument("--devices", type=int, default=2)
+p.add_argument("--fabric-package", default="lightning_fabric", choices=FABRIC_PACKAGES)
+p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+p.add_argument("--lr", type=float, default=0.1)
+p.add_argument("--momentum", type=float, default=0.5)
+p.add_argument("--epochs", type=int, default=2)
+p.add_argument("--accumulate", type=int, default=1)
+p.add_argument("--clip-norm", type=float, default=None)
+p.add_argument("--fp16-scaler", action="store_true")
+p.add_argument("--inf-rank", type=int, default=-1)
+p.add_argument("--inf-step", type=int, default=-1)
+p.add_argument("--save-load", action="store_true", help="fabric: save at the end, load into fresh objects")
+args = p.parse_args()
+out = Path(args.out)
+out.mkdir(parents=True, exist_ok=True)
+
+RANK_VARIABLES = ("RANK", "LOCAL_RANK")
+START_RANK = int(next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v)), "0"))
+SAMPLES, BATCH = 64, 4
+
+
+def make_optimizer(params):
+    if args.optimizer == "adam":
+        return torch.optim.Adam(params, lr=args.lr)
+    return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+
+
+def dataset() -> IndexedData:
+    return IndexedData(SAMPLES)
+
+
+def is_step_batch(i: int, batches: int) -> bool:
+    return (i + 1) % args.accumulate == 0 or i + 1 == batches
+
+
+def loss_of(model, x, y, rank: int, step: int) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    if rank == args.inf_rank and step == args.inf_step:
+        loss = loss * float("inf")  # overflowing gradients on this rank only: the scaler skips its step
+    return loss / args.accumulate
+
+
+def save(rank: int, model: torch.nn.Module, optimizer, **extra) -> None:
+    end = {k.removeprefix("net."): v.detach().clone() for k, v in model.state_dict().items()}
+    state = optimizer.state_dict()["state"]
+    opt_state = {k: {n: t.clone() for n, t in s.items() if torch.is_tensor(t)} for k, s in state.items()}
+    torch.save({"end": end, "opt_state": opt_state, **extra}, out / f"rank{rank}.pt")
+
+
+def run_plain() -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    from adasum_lightning import AdasumOptimizer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)
+    model = tiny_net()
+    optimizer = AdasumOptimizer(make_optimizer(model.parameters()))
+    scaler = torch.amp.GradScaler("cpu", enabled=args.fp16_scaler)
+    # Lightning's own sharding: shuffled with rank 0's seed, a new order every epoch
+    sampler = DistributedSampler(dataset(), world, rank, shuffle=True, seed=100)
+    loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for i, (x, y, _) in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=args.fp16_scaler):
+                loss = loss_of(model, x, y, rank, step)
+            scaler.scale(loss).backward()
+            if is_step_batch(i, len(loader)):
+                if args.clip_norm is not None:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+                step += 1
+    lightning = sorted(m for m in ("lightning", "pytorch_lightning", "lightning_fabric") if m in sys.modules)
+    save(rank, model, optimizer, world_size=world, steps=step, lightning_imported=lightning)
+    dist.destroy_process_group()
+
+
+def run_fabric() -> None:
+    fabric_module = importlib.import_module(args.fabric_package)
+    precision = importlib.import_module(f"{args.fabric_package}.plugins.precision")
+
+    import adasum_lightning  # noqa: F401  (registers ddp_adasum with both Fabric registries)
+
+    plugins = None
+    if args.fp16_scaler:  # on CPU Fabric turns "16-mixed" into bf16-mixed; the plugin keeps fp16 and a scaler
+        plugins = [precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    fabric = fabric_module.Fabric(
+        accelerator="cpu", devices=args.devices, strategy="ddp_adasum", plugins=plugins
+    )
+    fabric.launch()
+    rank = fabric.global_rank
+    fabric.seed_everything(100 + rank)
+    model = tiny_net()
+    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    step = 0
+    for _epoch in range(args.epochs):
+        for i, (x, y, _) in enumerate(loader):
+            stepping = is_step_batch(i, len(loader))
+            with fabric.no_backward_sync(model, enabled=not stepping):
+                fabric.backward(loss_of(model, x, y, rank, step))
+            if stepping:
+                if args.clip_norm is not None:
+                    fabric.clip_gradients(model, optimizer, max_norm=args.clip_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+                step += 1
+    extra = {
+        "world_size": fabric.world_size,
+        "steps": step,
+        "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
+        # the collectives, on every rank: rank r contributes r + 1
+        "all_gather": fabric.all_gather(torch.tensor([rank + 1.0])).flatten().tolist(),
+        "all_reduce_sum": fabric.all_reduce(torch.tensor(rank + 1.0), reduce_op="sum").item(),
+        "broadcast": fabric.broadcast(f"from rank {rank}", src=0),
+    }
+    fabric.barrier()
+    if args.save_load:
+        checkpoint = out / "fabric.ckpt"
+        fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "step": step})
+        torch.manual_seed(7 + rank)  # fresh objects that differ on every rank until loaded
+        fresh = tiny_net()
+        fresh, fresh_optimizer = fabric.setup(fresh, make_optimizer(fresh.parameters()))
+        state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+        fabric.load(checkpoint, state)
+        extra["loaded_step"] = state["step"]
+        extra["loaded"] = {k: v.detach().clone() for k, v in fresh.state_dict().items()}
+        loaded_state = fresh_optimizer.state_dict()["state"]
+        extra["loaded_opt_state"] = {
+            k: {n: t.clone() for n, t in s.items() if torch.is_tensor(t)} for k, s in loaded_state.items()
+        }
+    save(rank, model, optimizer, **extra)
+
+
+def run_trainer() -> None:
+    from tests.workers.lightning import pl
+    from tests.workers.tiny import TinyModule
+
+    pl.seed_everything(100 + START_RANK)
+    module = TinyModule(lr=args.lr, momentum=args.momentum, optimizer=args.optimizer, n=SAMPLES,
+                        batch_size=BATCH, inf_rank=args.inf_rank, inf_step=args.inf_step)  # fmt: skip
+    plugins = None
+    if args.fp16_scaler:
+        plugins = [pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    trainer = pl.Trainer(
+        strategy="ddp_adasum",
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=args.epochs,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip_norm,
+        plugins=plugins,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module)
+    save(trainer.global_rank, module, trainer.optimizers[0], world_size=trainer.world_size,
+         steps=trainer.global_step, indices=module.record["indices"])  # fmt: skip
+
+
+{"plain": run_plain, "fabric": run_fabric, "trainer": run_trainer}[args.form]()

@@ -41,7 +41,6 @@ __all__ = [
     "check_horovod_dtypes",
     "check_sync_batchnorm",
     "check_launcher_world_size",
-    "check_trainer_world_size",
     "reported_on_every_rank",
     "unreadable_checkpoint",
     "CHECKPOINT_READ_ERRORS",
@@ -388,10 +387,6 @@ def check_launcher_world_size(
             f"the {api} describes devices={devices} × num_nodes={num_nodes} = {devices * num_nodes}. Set "
             f"{api}(devices=<processes per node>, num_nodes=<nodes>) to match the launch."
         )
-
-
-#: The Trainer's name for :func:`check_launcher_world_size` (kept for existing imports).
-check_trainer_world_size = check_launcher_world_size
 
 
 def unreadable_checkpoint(path: object, err: BaseException, rank: int) -> RuntimeError:

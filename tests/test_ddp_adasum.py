@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from adasum_lightning.ops import adasum, adasum_reduce
-from adasum_lightning.validation import check_trainer_world_size
+from adasum_lightning.validation import check_launcher_world_size
 from tests.helpers import (
     ROOT,
     assert_ranks_identical,
@@ -273,7 +273,7 @@ def test_a_world_size_that_the_trainer_does_not_describe_is_refused(tmp_path):
         out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, **out))
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    message = expected_message(check_trainer_world_size, 2, 1, 1)
+    message = expected_message(check_launcher_world_size, 2, 1, 1)
     for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode != 0
         assert f"AdasumConfigurationError on rank {rank}: {message}" in out, out[-3000:]

@@ -97,13 +97,18 @@ def test_a_bare_name_follows_the_imported_package_and_is_refused_when_ambiguous(
     assert lines[1] == _namespaces.AMBIGUOUS_MESSAGE
 
 
-def test_import_without_any_lightning_names_both_packages():
+def test_without_lightning_the_torch_part_imports_and_a_strategy_names_both_packages():
     code = (
         "import sys\n"
-        "sys.modules['pytorch_lightning'] = sys.modules['lightning'] = None  # as if neither were installed\n"
+        "for name in ('pytorch_lightning', 'lightning', 'lightning_fabric'):\n"
+        "    sys.modules[name] = None  # as if no Lightning package were installed\n"
         "import adasum_lightning\n"
+        "from adasum_lightning import AdasumOptimizer, adasum_allreduce, adasum_step\n"
+        "print('torch part', AdasumOptimizer.__name__, adasum_allreduce.__name__, adasum_step.__name__)\n"
+        "adasum_lightning.DDPAdasumStrategy\n"
     )
     proc = _python(code)
+    assert proc.stdout == "torch part AdasumOptimizer adasum_allreduce adasum_step\n"
     assert proc.returncode != 0
     assert f"ImportError: {_namespaces.missing_lightning_message()}" in proc.stderr
     assert "pip install lightning" in proc.stderr and "pip install pytorch-lightning" in proc.stderr

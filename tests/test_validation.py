@@ -17,11 +17,12 @@ from adasum_lightning.validation import (
     check_gradient_predivide_factor,
     check_horovod_dtypes,
     check_launch,
+    check_launcher_world_size,
+    check_module_unwrapped,
     check_nccl_topology,
     check_precision,
     check_single_device,
     check_sync_batchnorm,
-    check_trainer_world_size,
     check_world_size,
     nearest_powers_of_two,
 )
@@ -154,10 +155,22 @@ def test_predivide_rule_and_strategy_construction():
     )  # fine when averaging
 
 
-def test_single_device_rule():
-    check_single_device([torch.zeros(2), torch.ones(3)])
-    with pytest.raises(AdasumConfigurationError, match=r"parameters span \['cpu', 'meta'\]"):
-        check_single_device([torch.zeros(2), torch.zeros(2, device="meta")])
+def test_single_device_rule_names_the_strategy_and_its_launcher():
+    check_single_device("ddp_adasum", [torch.zeros(2), torch.ones(3)])
+    two = [torch.zeros(2), torch.zeros(2, device="meta")]
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_single_device("ddp_adasum", two)
+    assert str(info.value).startswith("ddp_adasum runs one process per device, but this module's parameters "
+                                      "span ['cpu', 'meta']")  # fmt: skip
+    assert str(info.value).endswith("(devices=N, or torchrun).") and "horovodrun" not in str(info.value)
+    with pytest.raises(AdasumConfigurationError, match=r"one process per GPU \(horovodrun -np N\)"):
+        check_single_device("horovod_adasum", two)
+
+
+def test_module_wrapped_in_ddp_is_refused_naming_the_fix():
+    check_module_unwrapped("ddp_adasum", False)
+    with pytest.raises(AdasumConfigurationError, match=r"fabric.setup\(model, optimizer\) with the plain"):
+        check_module_unwrapped("ddp_adasum", True)
 
 
 def test_horovod_missing_names_make_setup():
@@ -274,8 +287,10 @@ def test_closure_dtype_batchnorm_and_world_size_rules():
     check_sync_batchnorm("cpu", False, [])
     with pytest.raises(AdasumConfigurationError, match=r"SyncBatchNorm layers \(bn, head.bn\) on CPU"):
         check_sync_batchnorm("cpu", False, ["bn", "head.bn"])
-    check_trainer_world_size(8, 4, 2)
+    check_launcher_world_size(8, 4, 2)
     with pytest.raises(
         AdasumConfigurationError, match=r"WORLD_SIZE=8\), but the Trainer describes devices=4 × num_nodes=1"
     ):
-        check_trainer_world_size(8, 4, 1)
+        check_launcher_world_size(8, 4, 1)
+    with pytest.raises(AdasumConfigurationError, match=r"Set Fabric\(devices=<processes per node>"):
+        check_launcher_world_size(8, 4, 1, api="Fabric")

@@ -17,6 +17,7 @@ step ``--inf-rank`` skips at optimizer step ``--inf-step`` (an infinite loss on 
 """
 
 import argparse
+import functools
 import importlib
 import os
 from pathlib import Path
@@ -33,10 +34,11 @@ p.add_argument("out")
 p.add_argument("--form", required=True, choices=("plain", "fabric", "trainer"))
 p.add_argument("--devices", type=int, default=2)
 p.add_argument("--fabric-package", default="lightning_fabric", choices=FABRIC_PACKAGES)
-p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "lbfgs"))
 p.add_argument("--lr", type=float, default=0.1)
 p.add_argument("--momentum", type=float, default=0.5)
 p.add_argument("--epochs", type=int, default=2)
+p.add_argument("--max-steps", type=int, default=-1, help="plain: stop after this many steps")
 p.add_argument("--accumulate", type=int, default=1)
 p.add_argument("--clip-norm", type=float, default=None)
 p.add_argument("--fp16-scaler", action="store_true")
@@ -53,6 +55,8 @@ SAMPLES, BATCH = 64, 4
 
 
 def make_optimizer(params):
+    if args.optimizer == "lbfgs":
+        return torch.optim.LBFGS(params, lr=args.lr, max_iter=5)
     if args.optimizer == "adam":
         return torch.optim.Adam(params, lr=args.lr)
     return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
@@ -71,6 +75,14 @@ def loss_of(model, x, y, rank: int, step: int) -> torch.Tensor:
     if rank == args.inf_rank and step == args.inf_step:
         loss = loss * float("inf")  # overflowing gradients on this rank only: the scaler skips its step
     return loss / args.accumulate
+
+
+def closure(optimizer, model, x, y, backward=torch.Tensor.backward) -> torch.Tensor:
+    # what Lightning's closure does for a closure optimizer: zero_grad, forward, backward
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    backward(loss)
+    return loss
 
 
 def save(rank: int, model: torch.nn.Module, optimizer, **extra) -> None:
@@ -92,14 +104,21 @@ def run_plain() -> None:
     torch.manual_seed(100 + rank)
     model = tiny_net()
     optimizer = AdasumOptimizer(make_optimizer(model.parameters()))
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}  # rank 0's, after the broadcast
     scaler = torch.amp.GradScaler("cpu", enabled=args.fp16_scaler)
     # Lightning's own sharding: shuffled with rank 0's seed, a new order every epoch
     sampler = DistributedSampler(dataset(), world, rank, shuffle=True, seed=100)
     loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
-    step = 0
+    step, first_batch = 0, next(iter(loader))[2]
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for i, (x, y, _) in enumerate(loader):
+            if step == args.max_steps:
+                break
+            if args.optimizer == "lbfgs":
+                optimizer.step(functools.partial(closure, optimizer, model, x, y))
+                step += 1
+                continue
             with torch.autocast("cpu", dtype=torch.float16, enabled=args.fp16_scaler):
                 loss = loss_of(model, x, y, rank, step)
             scaler.scale(loss).backward()
@@ -112,7 +131,8 @@ def run_plain() -> None:
                 optimizer.zero_grad()
                 step += 1
     lightning = sorted(m for m in ("lightning", "pytorch_lightning", "lightning_fabric") if m in sys.modules)
-    save(rank, model, optimizer, world_size=world, steps=step, lightning_imported=lightning)
+    save(rank, model, optimizer, world_size=world, steps=step, lightning_imported=lightning, start=start,
+         first_batch=first_batch)  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -137,6 +157,10 @@ def run_fabric() -> None:
     step = 0
     for _epoch in range(args.epochs):
         for i, (x, y, _) in enumerate(loader):
+            if args.optimizer == "lbfgs":
+                optimizer.step(functools.partial(closure, optimizer, model, x, y, fabric.backward))
+                step += 1
+                continue
             stepping = is_step_batch(i, len(loader))
             with fabric.no_backward_sync(model, enabled=not stepping):
                 fabric.backward(loss_of(model, x, y, rank, step))

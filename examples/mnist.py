@@ -15,7 +15,6 @@ Metrics go to ``OUT/lightning_logs/version_N/metrics.csv``; rank 0 prints ``val_
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -25,24 +24,23 @@ import torchmetrics
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
-from torch import nn
 from torch.utils.data import DataLoader
-from torchvision import datasets, transforms
-from torchvision.datasets.utils import check_integrity
 
 import adasum_lightning  # noqa: F401  (registers "horovod_adasum", "horovod" and "ddp_adasum")
 from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.validation import CHECKPOINT_READ_ERRORS, unreadable_checkpoint
 
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+if __package__:  # imported as examples.mnist (tests, benchmarks)
+    from .mnist_torch import MNIST_MEAN, MNIST_STD, MNISTCNN, MNISTFiles, normalize
+else:  # run as a script: python examples/mnist.py, or mnist.py in an Azure ML code snapshot
+    from mnist_torch import MNIST_MEAN, MNIST_STD, MNISTCNN, MNISTFiles, normalize
+
+__all__ = ["MNIST_MEAN", "MNIST_STD", "MNISTNet", "MNISTDataModule", "MNISTCLI", "main"]
 
 
-class MNISTNet(pl.LightningModule):
-    """The seed's standard MNIST CNN.
-
-    conv 1→10 (k5) → max-pool 2 → ReLU → conv 10→20 (k5) → Dropout2d → max-pool 2 → ReLU → flatten (320)
-    → linear 50 → ReLU → dropout → linear 10 → log-softmax. Input ``(B, 1, 28, 28)`` float32 normalised
-    with mean 0.1307 / std 0.3081; output ``(B, 10)`` log-probabilities; loss: negative log-likelihood.
+class MNISTNet(MNISTCNN, pl.LightningModule):
+    """The seed's standard MNIST CNN (:class:`examples.mnist_torch.MNISTCNN`) as a LightningModule: SGD,
+    negative log-likelihood loss, validation accuracy.
 
     Args:
         lr: SGD learning rate (per process; not scaled by the world size under Adasum).
@@ -52,20 +50,7 @@ class MNISTNet(pl.LightningModule):
     def __init__(self, lr: float = 0.01, momentum: float = 0.5) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
-        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
-        self.conv2_drop = nn.Dropout2d()
-        self.fc1 = nn.Linear(320, 50)
-        self.fc2 = nn.Linear(50, 10)
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
-        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
-        x = x.flatten(1)
-        x = F.relu(self.fc1(x))
-        x = F.dropout(x, training=self.training)
-        return F.log_softmax(self.fc2(x), dim=1)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -84,21 +69,11 @@ class MNISTNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
 
-def default_cache_dir() -> Path:
-    """Writable cache for data copied out of a read-only folder (``$ADASUM_DATA_CACHE`` overrides)."""
-    base = os.environ.get("ADASUM_DATA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "adasum-lightning", "data"
-    )
-    return Path(base)
-
-
 class MNISTDataModule(pl.LightningDataModule):
     """torchvision's MNIST: the 60k training split for training, the 10k test split for validation.
 
-    ``data_dir`` is a torchvision root: the four original ``.gz`` files (or their extracted forms) live in
-    ``data_dir/MNIST/raw/``. Present files are MD5-checked and used offline; when ``data_dir`` is
-    read-only they are copied into a writable cache first (:func:`default_cache_dir`). Files are
-    downloaded only when absent.
+    ``data_dir`` is a torchvision root (:class:`examples.mnist_torch.MNISTFiles`: checked, copied to a
+    writable cache when read-only, downloaded only when absent).
 
     Args:
         data_dir: torchvision root folder.
@@ -119,60 +94,18 @@ class MNISTDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
-        self.transform = transforms.Compose(
-            [transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))]
-        )
-
-    # -- where the data is -------------------------------------------------------------------------
-    def _raw(self, root: Path) -> Path:
-        return root / "MNIST" / "raw"
-
-    def _extracted(self, root: Path) -> bool:
-        raw = self._raw(root)
-        return all(check_integrity(str(raw / Path(name).stem)) for name, _ in datasets.MNIST.resources)
+        self.files = MNISTFiles(data_dir)
+        self.transform = normalize()
 
     def root(self) -> Path:
         """The torchvision root used for loading: ``data_dir`` when usable in place, else the cache."""
-        given = Path(self.data_dir).expanduser()
-        if self._extracted(given) or _writable(self._raw(given)):
-            return given
-        return default_cache_dir()
+        return self.files.root()
 
     def prepare_data(self) -> None:
-        given = Path(self.data_dir).expanduser()
-        root = self.root()
-        if self._extracted(root):
-            return
-        source = self._raw(given)
-        for name, md5 in datasets.MNIST.resources:
-            path = source / name
-            if path.exists() and not check_integrity(str(path), md5):
-                raise RuntimeError(
-                    f"MNIST file {path} is corrupt (MD5 mismatch, expected {md5}). "
-                    "Delete it to download a fresh copy, or replace it with the original file."
-                )
-        if root != given and all((source / name).exists() for name, _ in datasets.MNIST.resources):
-            target = self._raw(root)
-            target.mkdir(parents=True, exist_ok=True)
-            for name, md5 in datasets.MNIST.resources:
-                if not check_integrity(str(target / name), md5):
-                    shutil.copyfile(source / name, target / name)
-        try:
-            # With the .gz files in place this only verifies and extracts them (no network).
-            datasets.MNIST(str(root), train=True, download=True)
-            datasets.MNIST(str(root), train=False, download=True)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"MNIST is not in {self._raw(given)} and could not be downloaded "
-                f"({str(err).splitlines()[0]}). "
-                "Put the four original files (train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
-                f"t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz) in {self._raw(given)}/ and rerun."
-            ) from err
+        self.files.prepare()
 
     def setup(self, stage: str) -> None:
-        root = str(self.root())
-        self.train_set = datasets.MNIST(root, train=True, transform=self.transform)
-        self.val_set = datasets.MNIST(root, train=False, transform=self.transform)
+        self.train_set, self.val_set = self.files.datasets(self.transform)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
@@ -181,18 +114,6 @@ class MNISTDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.eval_batch_size, num_workers=self.num_workers)
-
-
-def _writable(path: Path) -> bool:
-    """True when new files may go into ``path`` (or its nearest existing parent).
-
-    A folder without write bits counts as read-only even for root, who could write there anyway: a
-    shared, read-only data folder is never modified.
-    """
-    probe = path
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    return os.access(probe, os.W_OK) and bool(probe.stat().st_mode & 0o222)
 
 
 def default_logger(save_dir: str):

@@ -6,12 +6,13 @@ import shutil
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from torchvision import datasets  # noqa: E402
 
 from examples.mnist import MNISTDataModule  # noqa: E402
-from tests.helpers import ROOT, plain_env, run_horovod
+from tests.helpers import ROOT, plain_env, run_horovod, run_job
 
 FILES = [name for name, _ in datasets.MNIST.resources]
 
@@ -61,6 +62,22 @@ def test_missing_data_without_network_says_where_to_put_the_files(tmp_path, monk
     message = str(info.value)
     assert "could not be downloaded" in message
     assert f"{tmp_path / 'empty' / 'MNIST' / 'raw'}/" in message and "train-images-idx3-ubyte.gz" in message
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_the_plain_loop_and_the_fabric_example_train_mnist_alike(mnist_root, tmp_path):
+    # the README's launch lines, one epoch: the same seed, model, shards and arithmetic in both loops
+    if mnist_root is None:
+        pytest.skip("MNIST is absent and could not be downloaded")
+    data = ["--data-dir", str(mnist_root), "--epochs", "1"]
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    plain = run_job([torchrun, "--standalone", "--nproc-per-node", "2", "examples/mnist_plain.py", *data],
+                    plain_env(), timeout=300)  # fmt: skip
+    fabric = run_job([sys.executable, "examples/mnist_fabric.py", "--devices", "2", *data], plain_env(), 300)
+    lines = [re.findall(r"epoch=0 val_acc=([0-9.]+)", proc.stdout) for proc in (plain, fabric)]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, (plain.stdout[-2000:], fabric.stdout[-2000:])
+    assert float(lines[0][0]) >= 0.90
 
 
 @pytest.mark.slow

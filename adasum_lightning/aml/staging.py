@@ -8,8 +8,9 @@ Both backends upload these folders (SDK v1 at ``Experiment.submit`` / ``DockerBu
   ``patches/build_horovod.sh`` and Horovod patch, copied in; Horovod's own code is never copied: the script
   downloads its source distribution while the image is built). For ``ddp_adasum`` (PyTorch jobs) it comes
   from ``Dockerfile.ddp.in``: a CUDA runtime image with torch and the requirements, no MPI, no Horovod.
-- code snapshot: ``mnist.py`` (``examples/mnist.py``) next to the ``adasum_lightning`` package, so the
-  job's ``python mnist.py`` imports the same package version as the one that submitted it.
+- code snapshot: ``mnist.py`` (``examples/mnist.py``, with its ``mnist_torch.py``) next to the
+  ``adasum_lightning`` package, so the job's ``python mnist.py`` imports the same package version as the one
+  that submitted it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = PACKAGE_DIR.parent
 PATCHES_DIR = REPO_ROOT / "patches"
 EXAMPLE_SCRIPT = REPO_ROOT / "examples" / "mnist.py"
+#: The example's Lightning-free model and data, imported by ``mnist.py``; copied beside it.
+EXAMPLE_MODULES = (REPO_ROOT / "examples" / "mnist_torch.py",)
 DOCKERFILE_TEMPLATE = Path(__file__).resolve().with_name("Dockerfile.in")
 #: The image of ``ddp_adasum`` jobs (no MPI, no Horovod).
 DDP_DOCKERFILE_TEMPLATE = Path(__file__).resolve().with_name("Dockerfile.ddp.in")
@@ -131,6 +134,8 @@ def stage_code(dest: Path) -> Path:
     script = _require(EXAMPLE_SCRIPT, "the training script")
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy2(script, dest / TRAINING_SCRIPT)
+    for module in EXAMPLE_MODULES:
+        shutil.copy2(_require(module, "the training script's model and data"), dest / module.name)
     shutil.copytree(
         PACKAGE_DIR,
         dest / "adasum_lightning",

@@ -2,13 +2,15 @@
 
 Parts, in order: ``study`` (real processes; ``horovod_adasum``, ``ddp_adasum`` and averaging),
 ``simulated`` (validation + N = 8 … 64), ``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s),
-``overhead`` (Lightning vs raw Horovod loop), ``allreduce`` (Adasum vs Average vs Sum; ``adasum_allreduce``
-over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report`` (``docs/benchmarks.md`` and its
-PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum`` rows, with ``horovod_adasum``
-re-run beside them, merged into an existing ``study_real.json``). ``make bench`` runs everything with
-:data:`FULL`; ``make bench-quick`` runs :data:`QUICK` into ``benchmarks/results/quick/`` (the docs are left
-alone; its report goes to ``benchmarks/results/quick/report.md``). Each part's wall time is merged into
-``timings.json`` (latest run of each part, with its date).
+``overhead`` (Lightning vs raw Horovod loop), ``loops`` (the three forms of ``ddp_adasum`` — plain loop,
+Fabric, Trainer — and DDP, on the example's CNN and a 67 MB MLP), ``allreduce`` (Adasum vs Average vs
+Sum; ``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
+(``docs/benchmarks.md`` and its PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum``
+rows, with ``horovod_adasum`` re-run beside them, merged into an existing ``study_real.json``). ``make
+bench`` runs everything with :data:`FULL`; ``make bench-quick`` runs :data:`QUICK` into
+``benchmarks/results/quick/`` (the docs are left alone; its report goes to
+``benchmarks/results/quick/report.md``). Each part's wall time is merged into ``timings.json`` (latest run
+of each part, with its date).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from benchmarks.common import (
     lightning_launch,
     logs_for,
     prepared_root,
+    torchrun,
     write_results,
 )
 
@@ -60,6 +63,10 @@ FULL = {
     "allreduce_kb": [4 * 2**i for i in range(15)],
     "memory_sizes": [2, 4],
     "memory_batches": 300,
+    "loops_sizes": [2, 4],
+    "loops_models": ["cnn", "mlp"],
+    "loops_repeats": 3,
+    "loops_steps": {"cnn": 400, "mlp": 40},
 }
 
 #: ``make bench-quick``: the same pipeline, reduced to fit in under 10 minutes.
@@ -85,9 +92,12 @@ QUICK = {
     "allreduce_kb": [4, 256, 16384, 65536],
     "memory_sizes": [2],
     "memory_batches": 50,
+    "loops_sizes": [2],
+    "loops_repeats": 1,
+    "loops_steps": {"cnn": 150, "mlp": 20},
 }
 
-PARTS = ["study", "simulated", "throughput", "overhead", "allreduce", "memory", "report"]
+PARTS = ["study", "simulated", "throughput", "overhead", "loops", "allreduce", "memory", "report"]
 #: Parts run only when named in ``--only``.
 EXTRA_PARTS = ["study_ddp"]
 
@@ -180,6 +190,75 @@ def overhead(cfg: dict, out_dir: Path) -> dict:
             runs, cfg["overhead_sizes"], "lightning_no_sigterm_broadcast", "raw"
         ),
     }
+
+
+#: ``loops``: the ratios reported, (numerator, denominator): each form against the plain loop of its kind, and
+#: ``ddp_adasum`` against Lightning's ``ddp``.
+LOOPS_RATIOS = (
+    ("fabric_adasum", "plain_adasum"),
+    ("trainer_adasum", "plain_adasum"),
+    ("trainer_ddp", "plain_ddp"),
+    ("plain_adasum", "plain_ddp"),
+    ("trainer_adasum", "trainer_ddp"),
+)
+
+
+def loops(cfg: dict, out_dir: Path) -> dict:
+    """Steps/s of plain DDP, plain Adasum (``AdasumOptimizer``), Fabric ``ddp_adasum``, Trainer ``ddp`` and
+    Trainer ``ddp_adasum`` (``benchmarks/loops.py``), per model and world size, in interleaved rounds: each
+    round runs every form once, the order rotated by one each round, so that a trend in the machine's load
+    hits every form alike. World sizes above the 2 cores are marked ``oversubscribed``."""
+    from benchmarks.loops import IMPLS
+
+    runs, jobs = [], []
+    for model in cfg["loops_models"]:
+        for n in cfg["loops_sizes"]:
+            for i in range(cfg["loops_repeats"]):
+                order = IMPLS[i % len(IMPLS) :] + IMPLS[: i % len(IMPLS)]
+                jobs += [(model, n, i, impl) for impl in order]
+    for model, n, i, impl in tqdm(jobs, desc="loops", unit="run"):
+        out = out_dir / "runs" / f"loops_{model}_{impl}_n{n}.json"
+        log = logs_for(out_dir) / f"loops_{model}_{impl}_n{n}_r{i}.log"
+        args = ["benchmarks.loops", str(out), "--impl", impl, "--model", model,
+                "--steps", str(cfg["loops_steps"][model])]  # fmt: skip
+        load = os.getloadavg()
+        if impl.startswith("plain"):
+            wall, command = torchrun(n, args, log=log), command_line(n, args, "torchrun")
+        else:
+            args += ["--devices", str(n)]
+            wall, command = lightning_launch(args, log=log), command_line(n, args, "lightning")
+        record = {"repeat": i, "job_wall_s": wall, "loadavg_before": load, "command": command,
+                  "oversubscribed": n > (os.cpu_count() or 1)}  # fmt: skip
+        runs.append({**json.loads(out.read_text()), **record})
+    summary = []
+    for model in cfg["loops_models"]:
+        for n in cfg["loops_sizes"]:
+            these = [r for r in runs if r["model"] == model and r["world_size"] == n]
+            row = {"model": model, "np": n, "oversubscribed": these[0]["oversubscribed"]}
+            for impl in IMPLS:
+                mine = [r for r in these if r["impl"] == impl]
+                row[impl] = {
+                    "steps_per_s": [r["steps_per_s"] for r in mine],
+                    "steps_per_s_median": statistics.median(r["steps_per_s"] for r in mine),
+                    "reduction_ms_per_step_median": statistics.median(
+                        r["reduction_ms_per_step"] for r in mine
+                    ),
+                    "peak_rss_mb_max": max(max(r["peak_rss_mb_per_rank"]) for r in mine),
+                }
+            for num, den in LOOPS_RATIOS:
+                per_round = [
+                    a["steps_per_s"] / b["steps_per_s"]
+                    for a in these if a["impl"] == num
+                    for b in these if b["impl"] == den and b["repeat"] == a["repeat"]
+                ]  # fmt: skip
+                row[f"{num}/{den}"] = {
+                    "per_round": per_round,
+                    "median": statistics.median(per_round),
+                    "min": min(per_round),
+                    "max": max(per_round),
+                }
+            summary.append(row)
+    return {"runs": runs, "summary": summary}
 
 
 def allreduce(cfg: dict, out_dir: Path) -> dict:
@@ -309,6 +388,10 @@ def main() -> None:
         start = time.perf_counter()
         save("overhead", {"config": cfg, **overhead(cfg, out_dir)})
         timings["overhead"] = time.perf_counter() - start
+    if "loops" in parts:
+        start = time.perf_counter()
+        save("loops", {"config": cfg, **loops(cfg, out_dir)})
+        timings["loops"] = time.perf_counter() - start
     if "allreduce" in parts:
         start = time.perf_counter()
         save("allreduce", {"config": cfg, **allreduce(cfg, out_dir)})

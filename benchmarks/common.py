@@ -270,6 +270,26 @@ def lightning_launch(
     return _run_job([sys.executable, "-m", *args], timeout=timeout, log=log, retries=retries)
 
 
+def torchrun(
+    np: int, args: list[str], *, timeout: float = 1800, log: Path | None = None, retries: int = 2
+) -> float:
+    """Run ``python -m <args>`` on ``np`` processes with ``torchrun --standalone`` (plain torch.distributed
+    loops); returns the wall time in seconds of the successful attempt (retries as :func:`horovodrun`).
+
+    Raises:
+        RuntimeError: the last attempt failed (with the end of its output).
+    """
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        "--nproc-per-node",
+        str(np),
+        "-m",
+        *args,
+    ]
+    return _run_job(cmd, timeout=timeout, log=log, retries=retries)
+
+
 def logs_for(results_dir: Path) -> Path:
     """Where the jobs' console output goes (git-ignored ``runs/``): ``runs/bench-logs`` for the full
     results, ``runs/bench-logs-quick`` for ``benchmarks/results/quick``."""
@@ -277,10 +297,12 @@ def logs_for(results_dir: Path) -> Path:
 
 
 def command_line(np: int, args: list[str], launcher: str = "horovodrun") -> str:
-    """The shell form of :func:`horovodrun`'s (or, ``launcher="lightning"``, :func:`lightning_launch`'s)
-    command, for the results files."""
+    """The shell form of :func:`horovodrun`'s (or, ``launcher="lightning"``, :func:`lightning_launch`'s, or
+    ``launcher="torchrun"``, :func:`torchrun`'s) command, for the results files."""
     if launcher == "lightning":
         return "python -m " + " ".join(args)
+    if launcher == "torchrun":
+        return f"torchrun --standalone --nproc-per-node {np} -m " + " ".join(args)
     return (
         f'horovodrun -np {np} -H localhost:{np} --mpi-args="--mca mpi_yield_when_idle 1" python -m '
         + " ".join(args)

@@ -1,0 +1,222 @@
+"""Steps/s of the same training in each form: plain torch loops, Fabric and the Trainer, Adasum and DDP.
+
+``--impl``:
+
+- ``plain_ddp``: a plain loop with ``DistributedDataParallel`` (the anchor of DDP users), under torchrun;
+- ``plain_adasum``: a plain loop with :class:`adasum_lightning.AdasumOptimizer`, under torchrun;
+- ``fabric_adasum``: ``Fabric(strategy="ddp_adasum", devices=N)``, ``fabric.launch()``;
+- ``trainer_ddp``: ``Trainer(strategy="ddp", devices=N)`` (Lightning's launcher);
+- ``trainer_adasum``: ``Trainer(strategy="ddp_adasum", devices=N)`` (Lightning's launcher).
+
+``--model``: ``cnn`` (the example's CNN, :class:`examples.mnist_torch.MNISTCNN`, 21.8k parameters) or
+``mlp`` (784 → 4 × 2048 → 10, ReLU, 16.8 M parameters, 67 MB float32). Synthetic data held in memory
+(MNIST-shaped, batch 64 per process, a ``DistributedSampler`` shard per rank), SGD lr 0.01 momentum 0.9, one
+intra-op thread per process, Gloo. Rank 0 times the steps from step ``--skip`` to the end; every rank's peak
+RSS and (Adasum forms) the time spent in ``adasum_allreduce`` per step are gathered.
+
+usage: torchrun --nproc-per-node N -m benchmarks.loops OUT.json --impl plain_ddp|plain_adasum --model M
+       python -m benchmarks.loops OUT.json --impl fabric_adasum|trainer_ddp|trainer_adasum --devices N ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import adasum_lightning.step
+from examples.mnist_torch import MNISTCNN
+
+BATCH, LR, MOMENTUM = 64, 0.01, 0.9
+IMPLS = ("plain_ddp", "plain_adasum", "fabric_adasum", "trainer_ddp", "trainer_adasum")
+
+
+def make_model(name: str) -> nn.Module:
+    if name == "cnn":
+        return MNISTCNN()
+    layers, width = [nn.Flatten()], 784
+    for _ in range(4):
+        layers += [nn.Linear(width, 2048), nn.ReLU()]
+        width = 2048
+    return nn.Sequential(*layers, nn.Linear(width, 10), nn.LogSoftmax(dim=1))
+
+
+def synthetic_data(steps: int, world_size: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    n = steps * BATCH * world_size
+    return TensorDataset(torch.randn(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+
+
+class ReductionTimer:
+    """Wraps the Adasum allreduce the step calls and adds up its wall time (seconds) while ``on``."""
+
+    def __init__(self) -> None:
+        self.seconds, self.on = 0.0, False
+        original = adasum_lightning.step.adasum_allreduce
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.seconds += time.perf_counter() - start
+
+        adasum_lightning.step.adasum_allreduce = timed
+
+
+class StepClock:
+    """Rank 0's clock over steps ``skip`` … end: wall seconds, CPU seconds, reduction seconds."""
+
+    def __init__(self, skip: int, reduction: ReductionTimer) -> None:
+        self.skip, self.reduction, self.steps = skip, reduction, 0
+        self.start = self.cpu_start = self.end = self.cpu_end = 0.0
+
+    def before_step(self, i: int) -> None:
+        if i == self.skip:
+            self.start, self.cpu_start, self.reduction.on = time.perf_counter(), time.process_time(), True
+
+    def after_step(self, i: int) -> None:
+        if i >= self.skip:
+            self.steps += 1
+            self.end, self.cpu_end = time.perf_counter(), time.process_time()
+
+
+def plain_loop(impl: str, model_name: str, steps: int, clock: StepClock) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = make_model(model_name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if impl == "plain_ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        optimizer = adasum_lightning.AdasumOptimizer(optimizer)
+    data = synthetic_data(steps, world)
+    sampler = DistributedSampler(data, world, rank, shuffle=True, seed=0)
+    for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH, sampler=sampler)):
+        clock.before_step(i)
+        optimizer.zero_grad()
+        F.nll_loss(model(x), y).backward()
+        optimizer.step()
+        clock.after_step(i)
+
+
+def fabric_loop(model_name: str, steps: int, devices: int, clock: StepClock) -> None:
+    from lightning_fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy="ddp_adasum")
+    fabric.launch()
+    fabric.seed_everything(0, verbose=False)
+    model = make_model(model_name)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
+    loader = fabric.setup_dataloaders(
+        DataLoader(synthetic_data(steps, devices), batch_size=BATCH, shuffle=True)
+    )
+    for i, (x, y) in enumerate(loader):
+        clock.before_step(i)
+        optimizer.zero_grad()
+        fabric.backward(F.nll_loss(model(x), y))
+        optimizer.step()
+        clock.after_step(i)
+
+
+def trainer_loop(impl: str, model_name: str, steps: int, devices: int, clock: StepClock) -> None:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = make_model(model_name)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.nll_loss(self.model(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def train_dataloader(self):
+            return DataLoader(synthetic_data(steps, devices), batch_size=BATCH, shuffle=True)
+
+    class Clock(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            clock.before_step(batch_idx)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            clock.after_step(batch_idx)
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        strategy="ddp" if impl == "trainer_ddp" else "ddp_adasum",
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Clock()],
+    )
+    torch.manual_seed(0)
+    trainer.fit(Module())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--impl", choices=IMPLS, required=True)
+    p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    p.add_argument("--devices", type=int, default=2, help="processes (Fabric and Trainer forms)")
+    p.add_argument("--steps", type=int, default=200, help="steps per process, warm-up included")
+    p.add_argument("--skip", type=int, default=5, help="untimed warm-up steps")
+    args = p.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import adasum_lightning  # noqa: F401  (registers ddp_adasum)
+
+    reduction = ReductionTimer()
+    clock = StepClock(args.skip, reduction)
+    if args.impl.startswith("plain"):
+        plain_loop(args.impl, args.model, args.steps, clock)
+    elif args.impl == "fabric_adasum":
+        fabric_loop(args.model, args.steps, args.devices, clock)
+    else:
+        trainer_loop(args.impl, args.model, args.steps, args.devices, clock)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mine = {
+        "seconds": clock.end - clock.start,
+        "cpu_seconds": clock.cpu_end - clock.cpu_start,
+        "reduction_seconds": reduction.seconds,
+        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }
+    per_rank = [None] * size
+    dist.all_gather_object(per_rank, mine)
+    if rank == 0:
+        result = {
+            "impl": args.impl,
+            "model": args.model,
+            "parameters": sum(p.numel() for p in make_model(args.model).parameters()),
+            "world_size": size,
+            "steps": clock.steps,
+            "seconds": mine["seconds"],
+            "steps_per_s": clock.steps / mine["seconds"],
+            "reduction_ms_per_step": 1e3 * mine["reduction_seconds"] / clock.steps,
+            "cpu_ms_per_step_per_rank": [1e3 * r["cpu_seconds"] / clock.steps for r in per_rank],
+            "peak_rss_mb_per_rank": [r["peak_rss_kb"] / 1024 for r in per_rank],
+            "batch_size": BATCH,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -16,10 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from packaging.requirements import Requirement
 
 from adasum_lightning.ops import adasum_reduce
-from tests.helpers import ROOT, load_ranks, mpi_env, run_job, run_lightning, run_torchrun
+from adasum_lightning.validation import check_launcher_world_size, check_module_unwrapped
+from tests.helpers import (
+    ROOT,
+    expected_message,
+    load_ranks,
+    mpi_env,
+    plain_env,
+    run_job,
+    run_lightning,
+    run_torchrun,
+)
 from tests.workers.lightning import PACKAGE
 from tests.workers.samples import IndexedData, tiny_net
 
@@ -150,6 +161,34 @@ def test_fabric_under_both_package_names_trains_identically(tmp_path):
     assert standalone[0]["strategy"] == "adasum_lightning.fabric.ddp_adasum.DDPAdasumStrategy"
     assert unified[0]["strategy"] == "adasum_lightning.lightning.fabric.ddp_adasum.DDPAdasumStrategy"
     assert_same_training(standalone, unified, "lightning.fabric vs lightning_fabric")
+
+
+def test_fabric_refuses_a_module_wrapped_in_ddp_on_every_rank(tmp_path):
+    proc = run_lightning(2, "forms", str(tmp_path), "--form", "fabric", "--fabric-package", FABRIC,
+                         "--ddp-wrapped", check=False)  # fmt: skip
+    assert proc.returncode != 0
+    message = expected_message(check_module_unwrapped, "ddp_adasum", True)
+    for r in range(2):
+        assert f"AdasumConfigurationError on rank {r}: {message}" in proc.stderr, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("rank*.pt"))
+
+
+def test_fabric_refuses_a_world_size_its_devices_do_not_describe(tmp_path):
+    # Two processes started as an Azure ML PyTorch job starts them (no torchrun); each Fabric says devices=1
+    port = find_free_network_port()
+    procs = []
+    for rank in range(2):
+        env = dict(plain_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                   RANK=str(rank), LOCAL_RANK=str(rank))  # fmt: skip
+        cmd = [sys.executable, "-m", "tests.workers.forms", str(tmp_path), "--form", "fabric",
+               "--devices", "1", "--fabric-package", FABRIC]  # fmt: skip
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, **out))
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    message = expected_message(check_launcher_world_size, 2, 1, 1, api="Fabric")
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode != 0
+        assert f"AdasumConfigurationError on rank {rank}: {message}" in out, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------- torch only, no Lightning

@@ -45,6 +45,7 @@ p.add_argument("--fp16-scaler", action="store_true")
 p.add_argument("--inf-rank", type=int, default=-1)
 p.add_argument("--inf-step", type=int, default=-1)
 p.add_argument("--save-load", action="store_true", help="fabric: save at the end, load into fresh objects")
+p.add_argument("--ddp-wrapped", action="store_true", help="fabric: setup gets a DistributedDataParallel")
 args = p.parse_args()
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -152,6 +153,8 @@ def run_fabric() -> None:
     rank = fabric.global_rank
     fabric.seed_everything(100 + rank)
     model = tiny_net()
+    if args.ddp_wrapped:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     step = 0

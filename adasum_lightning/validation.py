@@ -42,6 +42,9 @@ __all__ = [
     "check_sync_batchnorm",
     "check_launcher_world_size",
     "reported_on_every_rank",
+    "check_uneven_inputs",
+    "check_skipped_backward_passes",
+    "clipping_refused",
     "unreadable_checkpoint",
     "CHECKPOINT_READ_ERRORS",
 ]
@@ -256,7 +259,9 @@ def check_module_unwrapped(strategy_name: str, wrapped_in_ddp: bool) -> None:
         )
 
 
-def check_launch(horovod_size: int, launcher: SeenLauncher | None, requested_devices: int) -> None:
+def check_launch(
+    horovod_size: int, launcher: SeenLauncher | None, requested_devices: int, api: str = "Trainer"
+) -> None:
     """A Horovod strategy in a process that Horovod sees alone, though more were meant to train together.
 
     Horovod learns its world from an MPI or Horovod launcher. Under ``torchrun``, SLURM's ``srun`` or plain
@@ -266,7 +271,8 @@ def check_launch(horovod_size: int, launcher: SeenLauncher | None, requested_dev
     Args:
         horovod_size: ``hvd.size()``.
         launcher: :func:`adasum_lightning.launchers.seen_launcher` (None for a plain start).
-        requested_devices: the number of devices the ``Trainer`` was given (``devices=N``).
+        requested_devices: the number of devices the ``Trainer`` (or ``Fabric``) was given (``devices=N``).
+        api: ``"Trainer"`` or ``"Fabric"``, in the message.
 
     Raises:
         AdasumConfigurationError: Horovod sees a world of 1 while the launcher started N > 1 processes, or
@@ -285,7 +291,7 @@ def check_launch(horovod_size: int, launcher: SeenLauncher | None, requested_dev
     if requested_devices > 1:
         seen = "no launcher (a plain `python` start)" if launcher is None else launcher.name
         raise AdasumConfigurationError(
-            f"Trainer(devices={requested_devices}) asks for {requested_devices} devices, but this process "
+            f"{api}(devices={requested_devices}) asks for {requested_devices} devices, but this process "
             "was "
             f"started by {seen} and Horovod sees a world of 1; Horovod strategies never start processes "
             f"themselves. Launch `horovodrun -np {requested_devices} python SCRIPT ...` with devices=1 (one "
@@ -421,3 +427,58 @@ def reported_on_every_rank(rank: int) -> Iterator[None]:
     except AdasumConfigurationError as err:
         print(f"AdasumConfigurationError on rank {rank}: {err}", file=sys.stderr, flush=True)
         raise
+
+
+def check_uneven_inputs(value: str) -> str:
+    """A strategy's ``uneven_inputs``: ``"truncate"`` or ``"error"`` (:mod:`adasum_lightning.uneven`).
+
+    Raises:
+        ValueError: anything else, naming the two values.
+    """
+    if value not in ("truncate", "error"):
+        raise ValueError(
+            "uneven_inputs must be 'truncate' (every rank stops an epoch at the shortest rank's batch count) "
+            f"or 'error' (refuse uneven batch counts), got {value!r}"
+        )
+    return value
+
+
+def check_skipped_backward_passes(
+    strategy_name: str, strategy_class: str, skipped: int, backward_passes_per_step: int
+) -> None:
+    """``fabric.no_backward_sync`` may skip at most ``backward_passes_per_step`` − 1 passes before a step.
+
+    Horovod's hooks reduce on the ``backward_passes_per_step``-th backward pass since the last step and cannot
+    be paused: a further pass would be reduced (under Adasum, its local step taken on partial gradients), or
+    fail in Horovod's hook.
+
+    Raises:
+        AdasumConfigurationError: ``skipped`` ≥ ``backward_passes_per_step``; the message names the setting.
+    """
+    if skipped < backward_passes_per_step:
+        return
+    passes = "pass" if skipped == 1 else "passes"
+    raise AdasumConfigurationError(
+        f"{strategy_name} cannot skip the gradient reduction of {skipped} backward {passes} before "
+        "optimizer.step() (fabric.no_backward_sync(model, enabled=True)): Horovod's hooks cannot be paused, "
+        f"they reduce as soon as backward_passes_per_step={backward_passes_per_step} backward pass(es) have "
+        "run since the last step. Give the strategy the number of backward passes per optimizer step, e.g. "
+        f"Fabric(strategy={strategy_class}(backward_passes_per_step={skipped + 1})); a shorter window is "
+        "reduced at optimizer.step()."
+    )
+
+
+def clipping_refused(strategy_name: str, algorithm: str, value: float) -> AdasumConfigurationError:
+    """The error for ``fabric.clip_gradients`` under Horovod's Adasum: it comes after the local step, which
+    ran inside backward (``algorithm``: ``"norm"`` for ``max_norm``, ``"value"`` for ``clip_val``)."""
+    if algorithm == "norm":
+        what = f"clip gradients by norm (fabric.clip_gradients(max_norm={value}))"
+        why = "before the norm over all parameters is known"
+    else:
+        what = f"clip gradients by value (fabric.clip_gradients(clip_val={value}))"
+        why = "so clipping afterwards would change nothing"
+    return AdasumConfigurationError(
+        f"{strategy_name} cannot {what}: Horovod's Adasum optimizer takes each parameter's local step "
+        f"inside fabric.backward, {why}. Use Fabric(strategy='ddp_adasum') (its local step runs in "
+        "optimizer.step(), after clipping), or strategy='horovod'."
+    )

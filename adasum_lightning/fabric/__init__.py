@@ -13,11 +13,19 @@ from typing import Any
 from lightning_fabric.strategies import STRATEGY_REGISTRY
 
 from .ddp_adasum import DDPAdasumStrategy
+from .environment import HorovodEnvironment
+from .horovod import HorovodAdasumStrategy, HorovodStrategy
 
-__all__ = ["DDPAdasumStrategy", "register_strategies"]
+__all__ = [
+    "DDPAdasumStrategy",
+    "HorovodAdasumStrategy",
+    "HorovodEnvironment",
+    "HorovodStrategy",
+    "register_strategies",
+]
 
 #: The Fabric strategies ``import adasum_lightning`` registers, by name.
-STRATEGIES = (DDPAdasumStrategy,)
+STRATEGIES = (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy)
 
 
 def register_strategies(strategy_registry: Any) -> None:

@@ -11,8 +11,9 @@ from typing import Any
 
 from pytorch_lightning.strategies import StrategyRegistry
 
+from adasum_lightning.fabric.environment import HorovodEnvironment
+
 from .ddp_adasum import DDPAdasumStrategy
-from .environment import HorovodEnvironment
 from .horovod import HorovodAdasumStrategy, HorovodStrategy
 
 __all__ = [

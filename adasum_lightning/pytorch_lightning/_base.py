@@ -28,13 +28,14 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import SIGTERMException
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import SyncBatchNorm
 from typing_extensions import override
 
 from adasum_lightning import validation
 from adasum_lightning.learning_rate import check_lr_scaling, scale_learning_rates
+from adasum_lightning.uneven import EvenBatches
 
 from . import _compat
 
@@ -68,9 +69,14 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         lr_scaling: ``"auto"`` (the subclass's policy), ``"none"`` (factor 1) or a positive number used as
             the factor. It multiplies each param group's ``lr`` (and ``initial_lr``/``max_lr``/``min_lr`` when
             a scheduler keeps them) and every scheduler's ``base_lrs``, once, when fitting starts.
+        uneven_inputs: when the ranks have different numbers of training batches (per-rank data,
+            ``use_distributed_sampler=False``, an ``IterableDataset``): ``"truncate"`` (every rank stops each
+            epoch at the shortest rank's count; a warning on rank 0 names the counts, once per fit) or
+            ``"error"`` (:class:`adasum_lightning.uneven.UnevenInputsError` on every rank). See
+            :class:`adasum_lightning.uneven.EvenBatches`.
 
     Raises:
-        ValueError: an invalid ``lr_scaling``.
+        ValueError: an invalid ``lr_scaling`` or ``uneven_inputs``.
     """
 
     #: Registered name (set by each subclass).
@@ -87,6 +93,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
         lr_scaling: str | float = "auto",
+        uneven_inputs: str = "truncate",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -99,6 +106,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.lr_scaling = check_lr_scaling(lr_scaling)
+        self.uneven_inputs = validation.check_uneven_inputs(uneven_inputs)
+        self._uneven_warned = False
         #: The learning-rate factor applied when fitting started (None before).
         self.lr_factor: float | None = None
         self._sampler_seed = 0
@@ -119,6 +128,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._uneven_warned = False  # the uneven-inputs warning: once per fit
         if fitting:
             with validation.reported_on_every_rank(self.global_rank):
                 self._validate_trainer(trainer)
@@ -137,6 +147,21 @@ class UpdateReducingDDPStrategy(DDPStrategy):
                 f"{type(self).__name__}: world size {self.world_size}, {self._describe_reduction()}, "
                 f"learning-rate factor {self.lr_factor:g} (lr_scaling={self.lr_scaling!r})"
             )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training loaders stop every rank at the same batch (:class:`~adasum_lightning.uneven.EvenBatches`):
+        an update is a collective, so a rank without a batch would leave the others waiting in it."""
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.world_size == 1 or trainer is None or not trainer.training:
+            return dataloader
+        return EvenBatches(dataloader, uneven=self.uneven_inputs, on_uneven=self._warn_uneven_once)
+
+    def _warn_uneven_once(self, message: str) -> None:
+        if not self._uneven_warned:
+            rank_zero_warn(message)
+        self._uneven_warned = True
 
     @override
     def on_train_start(self) -> None:

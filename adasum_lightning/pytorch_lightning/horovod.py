@@ -19,9 +19,7 @@ the same processes from Horovod's rank and size carries everything else (see :mo
 from __future__ import annotations
 
 import functools
-import inspect
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -35,30 +33,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
+from adasum_lightning.fabric.environment import HorovodEnvironment
+from adasum_lightning.horovod_support import agree_on_process_group, import_horovod, needs_closure
 from adasum_lightning.launchers import seen_launcher
 
 from . import _compat
 from ._base import UpdateReducingDDPStrategy
-from .environment import HorovodEnvironment
 
 __all__ = ["HorovodStrategy", "HorovodAdasumStrategy", "import_horovod"]
-
-
-def import_horovod() -> Any:
-    """Import ``horovod.torch`` or raise an ``ImportError`` that names the fix.
-
-    Raises:
-        ImportError: Horovod is missing, or was built without its PyTorch extension.
-    """
-    try:
-        import horovod.torch as hvd
-    except ImportError as err:
-        raise ImportError(
-            f"Horovod with PyTorch support is not importable ({err}). Build it against the installed torch "
-            "with `make setup` (or `patches/build_horovod.sh --python $(which python)`), or use "
-            "strategy='ddp_adasum', which needs no Horovod."
-        ) from err
-    return hvd
 
 
 class HorovodStrategy(UpdateReducingDDPStrategy):
@@ -192,27 +174,16 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
 
     def _agree_on_process_group(self) -> None:
         """Rank 0 picks the address and port of the ``torch.distributed`` process group; Horovod broadcasts
-        them. Also sets each rank's node rank (its host's index among the job's hosts).
+        them (:func:`adasum_lightning.horovod_support.agree_on_process_group`, which also sets each rank's
+        node rank).
 
         Raises:
             AdasumConfigurationError: on every rank, when the job spans several hosts and the address would be
-                a loopback one (``MASTER_ADDR`` set so, or rank 0's host name resolving so): the other hosts
-                could not reach it. The message names ``MASTER_ADDR``.
+                a loopback one; the message names ``MASTER_ADDR``.
         """
-        hvd = self.hvd
-        proposal = _process_group_address(hvd.size() == hvd.local_size()) if hvd.rank() == 0 else None
-        address, port, problem = hvd.broadcast_object(
-            proposal, root_rank=0, name="adasum_lightning.pg_address"
-        )
-        if problem:
-            with validation.reported_on_every_rank(hvd.rank()):
-                raise validation.AdasumConfigurationError(problem)
         environment = self.cluster_environment
         assert isinstance(environment, HorovodEnvironment)
-        environment.set_main_address_and_port(address, port)
-        hosts = list(dict.fromkeys(hvd.allgather_object(socket.gethostname(), name="adasum_lightning.hosts")))
-        environment.set_node_rank(hosts.index(socket.gethostname()))
-        self.num_nodes = len(hosts)
+        self.num_nodes = agree_on_process_group(self.hvd, environment)
 
     @override
     def configure_ddp(self) -> None:
@@ -315,7 +286,7 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None,
         **kwargs: Any,
     ) -> Any:
-        average_loss = _needs_closure(hvd_optimizer)
+        average_loss = needs_closure(hvd_optimizer)
 
         def closure_then_synchronize() -> Any:
             result = closure()
@@ -394,7 +365,7 @@ class HorovodAdasumStrategy(HorovodStrategy):
     @override
     def _validate_optimizers(self, optimizers: list[Optimizer]) -> None:
         validation.check_closure_optimizers(
-            self.strategy_name, [type(opt).__name__ for opt in optimizers if _needs_closure(opt)]
+            self.strategy_name, [type(opt).__name__ for opt in optimizers if needs_closure(opt)]
         )
 
     @override
@@ -430,52 +401,7 @@ class HorovodAdasumStrategy(HorovodStrategy):
         return float(hvd.local_size()) if on_gpu and hvd.nccl_built() else 1.0
 
 
-def _needs_closure(optimizer: Optimizer) -> bool:
-    """True when the optimizer's ``step`` has a ``closure`` parameter without a default (e.g. LBFGS).
-
-    Horovod's wrapper classes (built at run time in ``horovod.torch.optimizer``) define ``step(closure=None)``
-    for every optimizer, so the wrapped optimizer's own ``step`` is the one that says.
-    """
-    for cls in type(optimizer).__mro__:
-        if "step" in vars(cls) and not cls.__module__.startswith("horovod."):
-            try:
-                parameter = inspect.signature(vars(cls)["step"]).parameters.get("closure")
-            except (TypeError, ValueError):
-                return False
-            return parameter is not None and parameter.default is inspect.Parameter.empty
-    return False
-
-
 def _clamp_on_last_pass(optimizer: Optimizer, clip_value: float, param: Tensor) -> None:
     # Horovod decrements its per-parameter countdown in its own hook, after this one.
     if _compat.horovod_completes_window(optimizer, param) and param.grad is not None:
         param.grad.clamp_(-clip_value, clip_value)
-
-
-def _process_group_address(single_host: bool) -> tuple[str | None, int | None, str | None]:
-    """On rank 0: (address, port, problem) of the process group beside Horovod (see HorovodStrategy)."""
-    port = int(os.environ.get("MASTER_PORT") or _free_port())
-    given = os.environ.get("MASTER_ADDR")
-    if single_host:
-        return given or "127.0.0.1", port, None
-    address = given or socket.gethostbyname(socket.gethostname())
-    if not socket.gethostbyname(address).startswith("127."):
-        return address, port, None
-    where = (
-        f"MASTER_ADDR={given} is a loopback address"
-        if given
-        else f"rank 0's host name {socket.gethostname()!r} resolves to the loopback address {address}"
-    )
-    fix = "Unset MASTER_ADDR, or set it" if given else "Set MASTER_ADDR"
-    return (
-        None,
-        None,
-        f"this job spans several hosts, but {where}, which the other hosts cannot reach. {fix} to an "
-        "address of rank 0's host that every host can reach (e.g. `mpirun -x MASTER_ADDR=10.0.0.4 ...`).",
-    )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

@@ -7,7 +7,8 @@ Each group is a list of scenarios run one after the other in this process, each 
 
 - ``train``: one step of the tiny net (SGD, momentum 0.5) with ``horovod_adasum`` by name and as an instance
   for each Fabric package name, ``horovod`` (averaging, lr × world size), ``horovod`` with norm clipping,
-  ``horovod_adasum`` accumulating two backward passes, and ``fabric.save``/``fabric.load``;
+  ``horovod`` with LBFGS (a closure), ``horovod_adasum`` accumulating two backward passes, and
+  ``fabric.save``/``fabric.load``;
 - ``refusals``: configurations the strategies refuse, each caught here (after the strategy printed it);
 - ``world``, ``gloo``, ``alone``: the refusals that need their own launch (3 ranks; ``horovodrun --gloo``,
   where ``horovod`` then trains; a plain ``python`` start with ``HOROVOD_CPU_OPERATIONS=gloo``).
@@ -42,7 +43,7 @@ if "alone" in args.jobs.split(","):
 import adasum_lightning  # noqa: E402,F401  (registers the strategy names with both Fabric registries)
 
 RANK = launcher_rank()
-LR, MOMENTUM, BATCH = 0.1, 0.5, 4
+LR, MOMENTUM, BATCH, LBFGS_LR = 0.1, 0.5, 4, 0.25
 #: This project's Fabric strategies for each Fabric package.
 COPIES = {
     "lightning_fabric": "adasum_lightning.fabric",
@@ -110,6 +111,24 @@ def one_step(fabric, *, accumulate: int = 1, clip_norm: float | None = None, opt
     )
 
 
+def lbfgs_step(fabric) -> dict:
+    """One LBFGS step (a closure evaluated several times) on rank 0's weights and this rank's first batch."""
+    fabric.seed_everything(100 + fabric.global_rank, verbose=False)
+    model = tiny_net()
+    model, optimizer = fabric.setup(model, torch.optim.LBFGS(model.parameters(), lr=LBFGS_LR, max_iter=3))
+    start = state(model)
+    x, y, _ = next(iter(fabric.setup_dataloaders(DataLoader(IndexedData(), batch_size=BATCH, shuffle=True))))
+
+    def closure():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        return loss
+
+    loss = optimizer.step(closure)
+    return {"start": start, "end": state(model), "batches": [(x, y)], "loss": loss.item()}
+
+
 def momentum_buffers(optimizer) -> dict:
     return {k: s["momentum_buffer"].clone() for k, s in optimizer.state_dict()["state"].items()}
 
@@ -139,6 +158,7 @@ def train() -> None:
             records[f"adasum/{package}/{by}"] = one_step(fabric_for("horovod_adasum", package, by))[2]
     records["horovod"] = one_step(fabric_for("horovod"))[2]
     records["horovod/clip"] = one_step(fabric_for("horovod"), clip_norm=0.05)[2]
+    records["horovod/lbfgs"] = lbfgs_step(fabric_for("horovod"))
     accumulating = fabric_for(
         "horovod_adasum", by="instance", strategy_kwargs={"backward_passes_per_step": 2}
     )

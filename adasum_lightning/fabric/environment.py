@@ -31,7 +31,8 @@ class HorovodEnvironment(ClusterEnvironment):
 
     Processes are created by the launcher (``horovodrun``, ``mpirun``, Azure ML), never by Lightning, so
     :attr:`creates_processes_externally` is True. Reading a rank never initialises Horovod: building a
-    ``Trainer`` in a notebook has no side effect; the strategy calls ``hvd.init()`` when fitting starts.
+    ``Trainer`` or a ``Fabric`` in a notebook has no side effect; the strategy calls ``hvd.init()`` when
+    fitting starts (in ``fabric.launch()`` under Fabric).
 
     :attr:`main_address` and :attr:`main_port` are where the ``torch.distributed`` process group that runs
     beside Horovod meets (its TCP store, on rank 0). The strategy agrees on them through Horovod after

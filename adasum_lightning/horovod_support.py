@@ -1,0 +1,116 @@
+"""What the Horovod strategies of the Trainer and of Fabric share, without Lightning: importing Horovod, the
+address of the ``torch.distributed`` process group beside it, and which optimizers need a closure.
+
+Imports no Lightning package (the Trainer subpackage and the Fabric subpackage, in either package name,
+import it as it is).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+from typing import Any
+
+from torch.optim import Optimizer
+
+from adasum_lightning import validation
+
+__all__ = ["import_horovod", "agree_on_process_group", "process_group_address", "needs_closure"]
+
+
+def import_horovod() -> Any:
+    """Import ``horovod.torch`` or raise an ``ImportError`` that names the fix.
+
+    Raises:
+        ImportError: Horovod is missing, or was built without its PyTorch extension.
+    """
+    try:
+        import horovod.torch as hvd
+    except ImportError as err:
+        raise ImportError(
+            f"Horovod with PyTorch support is not importable ({err}). Build it against the installed torch "
+            "with `make setup` (or `patches/build_horovod.sh --python $(which python)`), or use "
+            "strategy='ddp_adasum', which needs no Horovod."
+        ) from err
+    return hvd
+
+
+def agree_on_process_group(hvd: Any, environment: Any) -> int:
+    """Rank 0 picks the address and port of the ``torch.distributed`` process group; Horovod broadcasts
+    them. Also sets each rank's node rank (its host's index among the job's hosts).
+
+    Args:
+        hvd: ``horovod.torch``, initialised.
+        environment: the strategy's ``HorovodEnvironment`` (either Lightning package's), which receives the
+            address, port and node rank.
+
+    Returns:
+        The number of hosts in the job.
+
+    Raises:
+        AdasumConfigurationError: on every rank, when the job spans several hosts and the address would be
+            a loopback one (``MASTER_ADDR`` set so, or rank 0's host name resolving so): the other hosts
+            could not reach it. The message names ``MASTER_ADDR``.
+    """
+    proposal = process_group_address(hvd.size() == hvd.local_size()) if hvd.rank() == 0 else None
+    address, port, problem = hvd.broadcast_object(proposal, root_rank=0, name="adasum_lightning.pg_address")
+    if problem:
+        with validation.reported_on_every_rank(hvd.rank()):
+            raise validation.AdasumConfigurationError(problem)
+    environment.set_main_address_and_port(address, port)
+    hosts = list(dict.fromkeys(hvd.allgather_object(socket.gethostname(), name="adasum_lightning.hosts")))
+    environment.set_node_rank(hosts.index(socket.gethostname()))
+    return len(hosts)
+
+
+def process_group_address(single_host: bool) -> tuple[str | None, int | None, str | None]:
+    """On rank 0: (address, port, problem) of the process group beside Horovod.
+
+    The address is ``MASTER_ADDR`` when set, else ``127.0.0.1`` when every rank runs on one host, else the
+    address rank 0's host name resolves to; the port is ``MASTER_PORT`` when set, else a free one. ``problem``
+    (address and port None) says why a job on several hosts cannot use a loopback address.
+    """
+    port = int(os.environ.get("MASTER_PORT") or _free_port())
+    given = os.environ.get("MASTER_ADDR")
+    if single_host:
+        return given or "127.0.0.1", port, None
+    address = given or socket.gethostbyname(socket.gethostname())
+    if not socket.gethostbyname(address).startswith("127."):
+        return address, port, None
+    where = (
+        f"MASTER_ADDR={given} is a loopback address"
+        if given
+        else f"rank 0's host name {socket.gethostname()!r} resolves to the loopback address {address}"
+    )
+    fix = "Unset MASTER_ADDR, or set it" if given else "Set MASTER_ADDR"
+    return (
+        None,
+        None,
+        f"this job spans several hosts, but {where}, which the other hosts cannot reach. {fix} to an "
+        "address of rank 0's host that every host can reach (e.g. `mpirun -x MASTER_ADDR=10.0.0.4 ...`).",
+    )
+
+
+def _free_port() -> int:
+    # Not Lightning's find_free_network_port: this module imports no Lightning, and that function returns
+    # STANDALONE_PORT when it is set instead of a free port.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def needs_closure(optimizer: Optimizer) -> bool:
+    """True when the optimizer's ``step`` has a ``closure`` parameter without a default (e.g. LBFGS).
+
+    Horovod's wrapper classes (built at run time in ``horovod.torch.optimizer``) define ``step(closure=None)``
+    for every optimizer, so the wrapped optimizer's own ``step`` is the one that says.
+    """
+    for cls in type(optimizer).__mro__:
+        if "step" in vars(cls) and not cls.__module__.startswith("horovod."):
+            try:
+                parameter = inspect.signature(vars(cls)["step"]).parameters.get("closure")
+            except (TypeError, ValueError):
+                return False
+            return parameter is not None and parameter.default is inspect.Parameter.empty
+    return False

@@ -1,0 +1,169 @@
+"""Uneven inputs: every rank stops an epoch at the same batch, the shortest rank's count.
+
+Every training step of Adasum (and of gradient averaging) is a collective: a rank that has run out of
+batches leaves the others waiting in the update's reduction until the process group's timeout. With a
+``DistributedSampler`` every rank has the same count; with per-rank files, ``use_distributed_sampler=False``
+or an ``IterableDataset`` whose shards differ, it does not. :class:`EvenBatches` wraps a loader so that all
+ranks of a group stop together:
+
+- a sized loader (``len()`` works): the ranks compare their counts when an epoch's iteration starts (one
+  small all_gather) and every rank yields the shortest count's batches; no per-step cost;
+- an iterable loader: before each batch the ranks agree that every one of them has one (an all_reduce of
+  one integer per step), and at the epoch's end they exchange what each had (one all_gather).
+
+Needs ``torch`` only; the Trainer strategies wrap their training loaders with it (``uneven_inputs=``), Fabric
+and plain-torch loops wrap theirs (``loader = EvenBatches(loader)``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adasum_lightning.step import world_size
+from adasum_lightning.validation import check_uneven_inputs
+
+__all__ = ["EvenBatches", "UnevenInputsError", "uneven_message"]
+
+
+class UnevenInputsError(RuntimeError):
+    """The ranks have different numbers of batches and ``uneven_inputs="error"`` was asked for."""
+
+
+def uneven_message(name: str, counts: list[str], stop: int, refuse: bool) -> str:
+    """The warning (``refuse=False``) or the error text for these per-rank counts (``counts[r]`` is rank r's
+    count as text: ``"5"``, or ``"more than 4"`` for an iterable rank cut short)."""
+    listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+    fix = (
+        "Give every rank the same number of batches to use all the data (a DistributedSampler: Lightning's "
+        "use_distributed_sampler=True, or equal shards of an IterableDataset)"
+    )
+    if refuse:
+        return (
+            f"the ranks have different numbers of {name} batches ({listed}), and uneven_inputs='error' was "
+            f"asked for. {fix}, or pass uneven_inputs='truncate' to stop every rank after the shortest count."
+        )
+    return (
+        f"the ranks have different numbers of {name} batches ({listed}): every rank stops this epoch after "
+        f"{stop} batches, the shortest count, so that no rank waits for the others in the update. {fix}, or "
+        "pass uneven_inputs='error' to refuse this."
+    )
+
+
+def _length(loader: Iterable) -> int | None:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except (TypeError, NotImplementedError):
+        return None
+
+
+class EvenBatches:
+    """``loader``'s batches, cut so that every rank of ``group`` yields the same number per epoch.
+
+    Attribute access is passed on to ``loader`` (``sampler``, ``batch_size``, ``dataset``, …). ``len()`` is
+    the agreed count for a sized loader (and raises ``TypeError`` for an iterable one, as the loader does).
+    Every rank must iterate it at the same time (it runs collectives over ``group``).
+
+    Args:
+        loader: a ``DataLoader`` or any iterable of batches.
+        group: the process group (default: the default group). At world size 1 it is ``loader`` as is.
+        uneven: what to do when the counts differ: ``"truncate"`` (default: every rank stops at the shortest
+            count, with a warning) or ``"error"`` (raise on every rank).
+        name: what the batches are for, in the messages (``"training"``).
+        on_uneven: called with the warning text on every rank when the counts differ and ``uneven`` is
+            ``"truncate"``; default: ``warnings.warn`` on the group's first rank, once per ``EvenBatches``.
+
+    Raises:
+        ValueError: an unknown ``uneven``.
+        UnevenInputsError: on every rank, when the counts differ and ``uneven="error"``; for a sized loader
+            before the epoch's first batch, for an iterable one when the first rank runs out.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable,
+        group: dist.ProcessGroup | None = None,
+        uneven: str = "truncate",
+        name: str = "training",
+        on_uneven: Callable[[str], None] | None = None,
+    ) -> None:
+        self.loader, self.group, self.name = loader, group, name
+        self.uneven = check_uneven_inputs(uneven)
+        self._on_uneven = on_uneven or self._warn_once
+        self._warned = False
+        self._agreed: int | None = None
+        if _length(loader) is not None:
+            self._agreed = self._agree_on_length()
+
+    # ------------------------------------------------------------------------------------------ properties
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (during unpickling)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        if self._agreed is None:
+            raise TypeError(f"{type(self.loader).__name__} has no len(): its batch count is agreed per step")
+        return self._agreed
+
+    # ------------------------------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[Any]:
+        if world_size(self.group) == 1:
+            yield from self.loader
+        elif _length(self.loader) is not None:
+            self._agreed = self._agree_on_length()
+            yield from itertools.islice(self.loader, self._agreed)
+        else:
+            yield from self._agree_per_step()
+
+    def _agree_on_length(self) -> int:
+        """All_gather the counts; report a difference; the shortest count."""
+        counts = self._gather(_length(self.loader))
+        stop = min(counts)
+        if len(set(counts)) > 1:
+            self._report([str(c) for c in counts], stop)
+        return stop
+
+    def _agree_per_step(self) -> Iterator[Any]:
+        iterator, yielded, device = iter(self.loader), 0, self._device()
+        while True:
+            batch = next(iterator, _END)
+            has_batch = torch.tensor([0 if batch is _END else 1], device=device)
+            dist.all_reduce(has_batch, op=dist.ReduceOp.MIN, group=self.group)
+            if not has_batch.item():
+                break
+            yielded += 1
+            yield batch
+        cut = self._gather(0 if batch is _END else 1)  # which ranks still had a batch
+        if any(cut):
+            counts = [f"more than {yielded}" if c else str(yielded) for c in cut]
+            self._report(counts, yielded)
+
+    def _report(self, counts: list[str], stop: int) -> None:
+        if self.uneven == "error":
+            raise UnevenInputsError(uneven_message(self.name, counts, stop, refuse=True))
+        self._on_uneven(uneven_message(self.name, counts, stop, refuse=False))
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned and dist.get_rank(self.group) == 0:
+            import warnings
+
+            warnings.warn(message, stacklevel=3)
+        self._warned = True
+
+    def _gather(self, value: int | None) -> list[int]:
+        gathered: list[Any] = [None] * world_size(self.group)
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def _device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+_END = object()

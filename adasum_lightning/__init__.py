@@ -34,13 +34,22 @@ from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.ops import adasum, adasum_reduce
 from adasum_lightning.optimizer import AdasumOptimizer
 from adasum_lightning.step import adasum_step
+from adasum_lightning.uneven import EvenBatches
 
 __version__ = "0.2.0"
 
 #: Names resolved to the strategies of the Lightning package in use (see :func:`_namespaces.resolve`).
 _PER_PACKAGE = ("HorovodAdasumStrategy", "HorovodStrategy", "DDPAdasumStrategy", "HorovodEnvironment")
 
-__all__ = [*_PER_PACKAGE, "AdasumOptimizer", "adasum", "adasum_allreduce", "adasum_reduce", "adasum_step"]
+__all__ = [
+    *_PER_PACKAGE,
+    "AdasumOptimizer",
+    "EvenBatches",
+    "adasum",
+    "adasum_allreduce",
+    "adasum_reduce",
+    "adasum_step",
+]
 
 
 def __getattr__(name: str) -> Any:

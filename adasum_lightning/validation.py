@@ -43,6 +43,7 @@ __all__ = [
     "check_launcher_world_size",
     "reported_on_every_rank",
     "check_uneven_inputs",
+    "scaled_learning_rate_message",
     "check_skipped_backward_passes",
     "clipping_refused",
     "unreadable_checkpoint",
@@ -481,4 +482,18 @@ def clipping_refused(strategy_name: str, algorithm: str, value: float) -> Adasum
         f"{strategy_name} cannot {what}: Horovod's Adasum optimizer takes each parameter's local step "
         f"inside fabric.backward, {why}. Use Fabric(strategy='ddp_adasum') (its local step runs in "
         "optimizer.step(), after clipping), or strategy='horovod'."
+    )
+
+
+def scaled_learning_rate_message(strategy_name: str, factor: float) -> str:
+    """The warning when a strategy multiplies the learning rates that the module (or ``Tuner.lr_find``) set.
+
+    ``horovod`` averages gradients, so with ``lr_scaling="auto"`` it multiplies every learning rate by the
+    world size (pytorch-lightning 1.x's policy) — after ``configure_optimizers`` and after a tuner has written
+    its suggestion there, so without this warning a tuned rate would silently train ``factor`` times larger.
+    """
+    return (
+        f"{strategy_name} multiplied every learning rate by {factor:g} (lr_scaling): the rates your "
+        f"configure_optimizers returns (a Tuner.lr_find suggestion included) train {factor:g}× larger. Pass "
+        f"lr_scaling='none' to train with them as they are."
     )

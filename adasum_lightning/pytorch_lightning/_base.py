@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -39,9 +40,18 @@ from adasum_lightning.uneven import EvenBatches
 
 from . import _compat
 
-__all__ = ["UpdateReducingDDPStrategy"]
+__all__ = ["UpdateReducingDDPStrategy", "RANK_OPTIMIZER_STATES", "rank_optimizer_path"]
 
 log = logging.getLogger(__name__)
+
+#: The checkpoint key that records every rank's optimizer state ({"world_size": N, "lr_factor": f}).
+RANK_OPTIMIZER_STATES = "adasum_rank_optimizer_states"
+
+
+def rank_optimizer_path(checkpoint_path: Any, rank: int) -> str:
+    """Where rank ``rank`` (≥ 1) keeps its optimizer state of the checkpoint ``checkpoint_path``."""
+    return f"{checkpoint_path}.rank{rank}-optimizer.pt"
+
 
 #: Exit status of a process stopped by SIGTERM (shells report 128 + signal number).
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
@@ -108,6 +118,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         self.lr_scaling = check_lr_scaling(lr_scaling)
         self.uneven_inputs = validation.check_uneven_inputs(uneven_inputs)
         self._uneven_warned = False
+        self._checkpoint_path: Any = None
+        self._resumed_lr_factor: float | None = None
         #: The learning-rate factor applied when fitting started (None before).
         self.lr_factor: float | None = None
         self._sampler_seed = 0
@@ -147,6 +159,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
                 f"{type(self).__name__}: world size {self.world_size}, {self._describe_reduction()}, "
                 f"learning-rate factor {self.lr_factor:g} (lr_scaling={self.lr_scaling!r})"
             )
+            if self.lr_factor != 1.0:
+                rank_zero_warn(validation.scaled_learning_rate_message(self.strategy_name, self.lr_factor))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -166,7 +180,22 @@ class UpdateReducingDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._rescale_resumed_learning_rates()
         self._defer_sigterm_to_step_end()
+
+    def _rescale_resumed_learning_rates(self) -> None:
+        """A run resumed at another world size gets the learning rates restored for the old one (scaled by the
+        old ``lr_scaling`` factor): bring them to this world size's factor, once."""
+        old, self._resumed_lr_factor = self._resumed_lr_factor, None
+        if old is None or self.lr_factor is None or old == self.lr_factor:
+            return
+        scale_learning_rates(
+            self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.lr_factor / old
+        )
+        rank_zero_info(
+            f"{type(self).__name__}: the checkpoint's learning rates were scaled by {old:g} for its world "
+            f"size; rescaled to the factor {self.lr_factor:g} of world size {self.world_size}"
+        )
 
     def _defer_sigterm_to_step_end(self) -> None:
         """Run Lightning's SIGTERM handler at the end of an optimizer step instead of when the signal arrives.
@@ -260,7 +289,67 @@ class UpdateReducingDDPStrategy(DDPStrategy):
                 f"checkpoint {checkpoint_path} holds no 'state_dict': it is not a Lightning checkpoint. "
                 "Pass a file written by Trainer.fit (ModelCheckpoint), or ckpt_path=None."
             )
+        self._checkpoint_path = checkpoint_path  # where the other ranks' optimizer states lie
         return checkpoint
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Save every rank's optimizer state: rank 0's in the checkpoint (as Lightning does), rank r's beside
+        it in ``<file>.rank<r>-optimizer.pt``, each rank writing its own file at the same time.
+
+        Each rank keeps its own optimizer state (momentum, Adam moments from its own gradients), so a run
+        resumed from rank 0's state alone would differ from an uninterrupted one. The checkpoint records the
+        world size and the learning-rate factor under ``"adasum_rank_optimizer_states"``.
+        """
+        if "optimizer_states" in checkpoint:
+            record = {"world_size": self.world_size, "lr_factor": self.lr_factor}
+            checkpoint = {**checkpoint, RANK_OPTIMIZER_STATES: record}
+            if not self.is_global_zero:
+                states = {"optimizer_states": checkpoint["optimizer_states"], "rank": self.global_rank}
+                path = rank_optimizer_path(filepath, self.global_rank)
+                self.checkpoint_io.save_checkpoint(states, path, storage_options=storage_options)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if not self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(rank_optimizer_path(filepath, self.global_rank))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each rank restores its own optimizer state when the checkpoint has every rank's.
+
+        At the saved world size rank r takes its own state; at another world size rank r takes old rank
+        ``r mod N_old``'s (4 → 2: ranks 0, 1 keep theirs; 2 → 4: ranks 2, 3 take those of ranks 0, 1). A
+        checkpoint without them (written by an older version, by ``strategy="ddp"``, or at world size 1) gives
+        every rank rank 0's state, as in Lightning; so does a missing rank file, with a warning on that rank.
+        """
+        record = checkpoint.get(RANK_OPTIMIZER_STATES)
+        if record is not None:
+            self._resumed_lr_factor = record.get("lr_factor")
+            source = self.global_rank % int(record["world_size"])
+            if source != 0:
+                checkpoint = {
+                    **checkpoint,
+                    "optimizer_states": self._rank_optimizer_states(source, checkpoint),
+                }
+        super().load_optimizer_state_dict(checkpoint)
+
+    def _rank_optimizer_states(self, source: int, checkpoint: Any) -> list[Any]:
+        path = rank_optimizer_path(os.path.realpath(str(self._checkpoint_path)), source)
+        try:
+            return self.checkpoint_io.load_checkpoint(path)["optimizer_states"]
+        except FileNotFoundError:
+            warnings.warn(
+                f"[rank {self.global_rank}] {path} is missing (the optimizer state of rank {source} when the "
+                "checkpoint was saved): this rank resumes from rank 0's optimizer state instead. Keep the "
+                "<checkpoint>.rank<r>-optimizer.pt files beside the checkpoint when you copy it.",
+                stacklevel=2,
+            )
+            return checkpoint["optimizer_states"]
 
     @override
     def on_exception(self, exception: BaseException) -> None:

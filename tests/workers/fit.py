@@ -40,6 +40,7 @@ p.add_argument("--loss-scale", type=float, default=1.0)
 p.add_argument("--zero-loss-rank", type=int, default=-1)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-at-step", type=int, default=-1)
+p.add_argument("--lr-find", action="store_true", help="Tuner.lr_find first, then fit with its suggestion")
 args = p.parse_args()
 out = Path(args.out)
 
@@ -88,8 +89,15 @@ trainer = pl.Trainer(
     default_root_dir=str(out),
     enable_checkpointing=True,
 )
+suggestion = None
+if args.lr_find:
+    from importlib import import_module
+
+    tuner = import_module(f"{pl.__name__}.tuner").Tuner(trainer)
+    suggestion = tuner.lr_find(model, min_lr=1e-4, max_lr=1.0, num_training=20).suggestion()
 trainer.fit(model, ckpt_path=args.ckpt_path)
 record = model.record
+record["lr_find_suggestion"] = suggestion
 record["end"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 record["global_step"] = trainer.global_step
 record["world_size"] = trainer.world_size

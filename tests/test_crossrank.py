@@ -186,7 +186,11 @@ def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_pa
     steps = {res["global_step"] for res in ranks}
     assert len(steps) == 1 and steps.pop() >= 3, [res["global_step"] for res in ranks]
     assert all(res["exception"] == "SIGTERMException" for res in ranks)
-    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 1
+    (ckpt,) = (tmp_path / "ckpt").glob("*.ckpt")
+    # every rank's own optimizer state went with it (a resume continues each rank from its own state,
+    # tests/test_resume.py): rank 1's beside it
+    assert torch.load(ckpt, weights_only=False)["adasum_rank_optimizer_states"]["world_size"] == 2
+    assert torch.load(f"{ckpt}.rank1-optimizer.pt", weights_only=False)["rank"] == 1
 
 
 # ---------------------------------------------------------------- 8: SIGTERM to the launcher

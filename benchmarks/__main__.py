@@ -200,6 +200,7 @@ LOOPS_RATIOS = (
     ("trainer_ddp", "plain_ddp"),
     ("plain_adasum", "plain_ddp"),
     ("trainer_adasum", "trainer_ddp"),
+    ("trainer_adasum_iterable", "trainer_adasum"),
 )
 
 

@@ -6,7 +6,9 @@
 - ``plain_adasum``: a plain loop with :class:`adasum_lightning.AdasumOptimizer`, under torchrun;
 - ``fabric_adasum``: ``Fabric(strategy="ddp_adasum", devices=N)``, ``fabric.launch()``;
 - ``trainer_ddp``: ``Trainer(strategy="ddp", devices=N)`` (Lightning's launcher);
-- ``trainer_adasum``: ``Trainer(strategy="ddp_adasum", devices=N)`` (Lightning's launcher).
+- ``trainer_adasum``: ``Trainer(strategy="ddp_adasum", devices=N)`` (Lightning's launcher);
+- ``trainer_adasum_iterable``: the same with an ``IterableDataset`` (equal shards): the uneven-inputs
+  agreement then costs one small all_reduce per step (:mod:`adasum_lightning.uneven`).
 
 ``--model``: ``cnn`` (the example's CNN, :class:`examples.mnist_torch.MNISTCNN`, 21.8k parameters) or
 ``mlp`` (784 → 4 × 2048 → 10, ReLU, 16.8 M parameters, 67 MB float32). Synthetic data held in memory
@@ -31,13 +33,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import adasum_lightning.step
 from examples.mnist_torch import MNISTCNN
 
 BATCH, LR, MOMENTUM = 64, 0.01, 0.9
-IMPLS = ("plain_ddp", "plain_adasum", "fabric_adasum", "trainer_ddp", "trainer_adasum")
+IMPLS = (
+    "plain_ddp",
+    "plain_adasum",
+    "fabric_adasum",
+    "trainer_ddp",
+    "trainer_adasum",
+    "trainer_adasum_iterable",
+)
 
 
 def make_model(name: str) -> nn.Module:
@@ -54,6 +63,17 @@ def synthetic_data(steps: int, world_size: int) -> TensorDataset:
     gen = torch.Generator().manual_seed(0)
     n = steps * BATCH * world_size
     return TensorDataset(torch.randn(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+
+
+class Shard(IterableDataset):
+    """Rank ``rank``'s samples of ``data`` (every ``world_size``-th), without a length."""
+
+    def __init__(self, data: TensorDataset, rank: int, world_size: int) -> None:
+        self.data, self.rank, self.world_size = data, rank, world_size
+
+    def __iter__(self):
+        for i in range(self.rank, len(self.data), self.world_size):
+            yield self.data[i]
 
 
 class ReductionTimer:
@@ -147,7 +167,10 @@ def trainer_loop(impl: str, model_name: str, steps: int, devices: int, clock: St
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
         def train_dataloader(self):
-            return DataLoader(synthetic_data(steps, devices), batch_size=BATCH, shuffle=True)
+            data = synthetic_data(steps, devices)
+            if impl == "trainer_adasum_iterable":
+                return DataLoader(Shard(data, self.global_rank, devices), batch_size=BATCH)
+            return DataLoader(data, batch_size=BATCH, shuffle=True)
 
     class Clock(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -159,6 +182,7 @@ def trainer_loop(impl: str, model_name: str, steps: int, devices: int, clock: St
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         strategy="ddp" if impl == "trainer_ddp" else "ddp_adasum",
+        use_distributed_sampler=impl != "trainer_adasum_iterable",
         accelerator="cpu",
         devices=devices,
         max_epochs=1,

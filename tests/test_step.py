@@ -1,0 +1,24 @@
+"""``adasum_step`` (deltas written straight into the reduction's flat bucket, the result straight back) gives
+bitwise the parameters of the step written out the plain way (clone, subtract, ``adasum_allreduce``, add),
+on every rank, at 2, 3 and 4 ranks, for SGD with momentum and Adam, with frozen, unused, float64 and
+non-contiguous parameters (``tests/workers/step_paths.py`` under torchrun)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import assert_ranks_identical, load_ranks, run_torchrun
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_the_step_equals_the_reference_step_bitwise(np, optimizer, tmp_path):
+    run_torchrun(np, "step_paths", str(tmp_path), optimizer)
+    ranks = load_ranks(tmp_path, np)
+    for r, res in enumerate(ranks):
+        assert all(res["identical"].values()), (r, [k for k, same in res["identical"].items() if not same])
+        names = {f"{m}.{w}" for m in ("frozen", "body", "head", "branch") for w in ("weight", "bias")}
+        assert set(res["identical"]) == names | {"scale", "transposed"}
+    assert_ranks_identical(ranks)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from adasum_lightning.ops import ADASUM_NORM_EPS, is_power_of_two
 
-__all__ = ["adasum_allreduce", "release_workspace"]
+__all__ = ["adasum_allreduce", "adasum_allreduce_flat", "release_workspace", "workspace"]
 
 #: Dtypes :func:`adasum_allreduce` reduces (Horovod's CPU Adasum has no bfloat16; this module does).
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -127,23 +127,10 @@ def adasum_allreduce(
     """
     out = tensors if isinstance(tensors, list) else list(tensors)
     for i, t in enumerate(out):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"adasum_allreduce needs tensors, element {i} is a {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"adasum_allreduce supports float16, bfloat16, float32 and float64 tensors; "
-                f"element {i} is {t.dtype}"
-            )
-    if not out:
+        _check_tensor(t, i)
+    comm = _communicator(group, timeout) if out else None
+    if comm is None:
         return out
-    rank = dist.get_rank(group)
-    if rank < 0:  # not a member of ``group``
-        return out
-    size = dist.get_world_size(group)
-    if size == 1:
-        return out
-    pg = group if group is not None else dist.group.WORLD
-    comm = _Comm(pg, rank, size, timeout)
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in out:
         buckets.setdefault((t.dtype, t.device), []).append(t)
@@ -151,6 +138,44 @@ def adasum_allreduce(
         for bucket in buckets.values():
             _reduce_bucket(bucket, comm)
     return out
+
+
+def adasum_allreduce_flat(
+    flat: torch.Tensor,
+    counts: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    timeout: timedelta | None = None,
+) -> torch.Tensor:
+    """:func:`adasum_allreduce` of tensors already packed back to back into one flat buffer, in place.
+
+    ``flat`` holds ``len(counts)`` tensors of ``counts[i]`` elements each, one after the other; the result is
+    what :func:`adasum_allreduce` gives for those tensors (one coefficient pair per tensor), without packing
+    and unpacking them. :func:`adasum_lightning.step.adasum_step` writes the deltas straight into such a
+    buffer.
+
+    Args:
+        flat: a contiguous 1-D tensor of a supported dtype, the same length and dtype on every rank.
+        counts: the tensors' element counts; they add up to ``flat.numel()``.
+        group, timeout: as for :func:`adasum_allreduce`.
+
+    Returns:
+        ``flat``, reduced in place.
+
+    Raises:
+        TypeError: ``flat`` is not a tensor of a supported dtype.
+        ValueError: ``flat`` is not contiguous and 1-D, or ``counts`` does not add up to its length.
+    """
+    _check_tensor(flat, 0)
+    if flat.dim() != 1 or not flat.is_contiguous():
+        shape = tuple(flat.shape)
+        raise ValueError(f"adasum_allreduce_flat needs a contiguous 1-D tensor, got shape {shape}")
+    if sum(counts) != flat.numel():
+        raise ValueError(f"counts add up to {sum(counts)}, but the buffer holds {flat.numel()} elements")
+    comm = _communicator(group, timeout) if flat.numel() else None
+    if comm is not None:
+        with torch.no_grad():
+            _reduce_flat(flat, list(counts), comm)
+    return flat
 
 
 def release_workspace() -> None:
@@ -165,8 +190,32 @@ def release_workspace() -> None:
 _workspace = threading.local()
 
 
-def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "recv") -> torch.Tensor:
-    """A 1-D buffer of ``numel`` elements, reused across calls (fresh pages cost ~2 µs each here)."""
+def _check_tensor(t: object, i: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"adasum_allreduce needs tensors, element {i} is a {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            "adasum_allreduce supports float16, bfloat16, float32 and float64 tensors; "
+            f"element {i} is {t.dtype}"
+        )
+
+
+def _communicator(group: dist.ProcessGroup | None, timeout: timedelta | None) -> _Comm | None:
+    """The exchanges' context for this rank of ``group``; None where nothing is to be done (not a member,
+    or a group of one)."""
+    rank = dist.get_rank(group)
+    if rank < 0:  # not a member of ``group``
+        return None
+    size = dist.get_world_size(group)
+    if size == 1:
+        return None
+    return _Comm(group if group is not None else dist.group.WORLD, rank, size, timeout)
+
+
+def workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "recv") -> torch.Tensor:
+    """A 1-D buffer of ``numel`` elements for ``slot``, kept for this thread between calls: fresh memory costs
+    a page fault per 4 KiB page (see docs/benchmarks.md). Contents are undefined; one buffer per slot, dtype
+    and device, grown when a larger one is asked for; :func:`release_workspace` frees them all."""
     key = f"{slot}|{dtype}|{device}"
     buf = getattr(_workspace, key, None)
     if buf is None or buf.numel() < numel:
@@ -247,7 +296,7 @@ def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm) -> None:
         flat = first.view(-1)
         copy_back = False
     else:
-        flat = _scratch(total, first.dtype, first.device, slot="flat")
+        flat = workspace(total, first.dtype, first.device, slot="flat")
         torch.cat([t.reshape(-1) for t in bucket], out=flat)
         copy_back = True
     _reduce_flat(flat, counts, comm)
@@ -276,7 +325,7 @@ def _reduce_flat(flat: torch.Tensor, counts: list[int], comm: _Comm) -> None:
         offsets.append(offsets[-1] + c)
     has_extra = rank + p < size
     halving = total * flat.element_size() * (p.bit_length() - 1) > TREE_MAX_BYTES
-    recv = _scratch(total if has_extra or not halving else (total + 1) // 2, flat.dtype, flat.device)
+    recv = workspace(total if has_extra or not halving else (total + 1) // 2, flat.dtype, flat.device)
     if has_extra:  # fold x[rank + p] in: adasum(x[rank], x[rank + p]) on whole tensors, computed here
         comm.exchange(rank + p, None, recv)
         _local_pair(flat, recv, offsets)
@@ -405,7 +454,7 @@ def _local_grams(a: torch.Tensor, b: torch.Tensor, plan: list, num: int) -> torc
     out by ``plan``): shape ``(num, 4)``."""
     device = a.device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
-    work = _scratch(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
+    work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
     # One row per (chunk, tensor in it): the Gram matrix of (own, received), row-major.
     rows_per_tensor = [0] * num
     for _, _, ids, _ in plan:
@@ -443,8 +492,8 @@ def _scaled_add(a: torch.Tensor, b: torch.Tensor, plan: list, coeffs: torch.Tens
     """``a := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``a.dtype``."""
     device = a.device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
-    work = _scratch(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
-    y64 = _scratch(cmax, torch.float64, device, slot="out64")
+    work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
+    y64 = workspace(cmax, torch.float64, device, slot="out64")
     for s, e, ids, lengths in plan:
         m = work[:, : e - s]
         m[0].copy_(a[s:e])

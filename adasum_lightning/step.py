@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from adasum_lightning.allreduce import adasum_allreduce
+from adasum_lightning.allreduce import adasum_allreduce_flat, workspace
 
 __all__ = ["adasum_step", "optimizer_parameters", "broadcast_from_rank_zero", "world_size"]
 
@@ -56,34 +56,59 @@ def adasum_step(
 
     Every rank of ``group`` must call this for the same ``params`` (same shapes, dtypes, order) at the same
     step; a rank whose local step changes nothing (a step skipped by a gradient scaler, a parameter without a
-    gradient) contributes a zero delta, which Adasum leaves out. Memory: one copy of ``params`` (``θ_before``)
-    during the call; the reduction's buffers are kept between calls
-    (:func:`adasum_lightning.allreduce.release_workspace` frees them).
+    gradient) contributes a zero delta, which Adasum leaves out.
+
+    Three passes over the parameters, into buffers kept between steps (per thread, dtype and device, like the
+    reduction's own; :func:`adasum_lightning.allreduce.release_workspace` frees them): ``θ_before`` is packed
+    into one flat buffer before the local step; after it the deltas are written straight into the flat bucket
+    the reduction works on (:func:`adasum_lightning.allreduce.adasum_allreduce_flat`); the result is written
+    straight back as ``θ_before + Adasum``. Memory: two flat copies of ``params`` (``θ_before``, the deltas)
+    plus the reduction's receive buffer (half a copy, or a whole one below the tree threshold).
 
     Args:
-        params: the parameters the local step may change (contiguous; floating-point).
+        params: the parameters the local step may change (floating-point; any layout).
         local_step: runs the local step; its return value is returned.
         group: the process group (default: the default group). With world size 1 (or no process group) this is
             ``local_step()`` alone.
-        timeout: how long one exchange waits for a peer (see :func:`adasum_allreduce`).
+        timeout: how long one exchange waits for a peer (see :func:`adasum_lightning.adasum_allreduce`).
 
     Raises:
+        TypeError: a parameter's dtype is not one the reduction supports (the message names it).
         RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
     """
     if world_size(group) == 1:
         return local_step()
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        if p.numel():
+            buckets.setdefault((p.dtype, p.device), []).append(p)
+    starts = {}
     with torch.no_grad():
-        before = [p.detach().clone() for p in params]
+        for (dtype, device), bucket in buckets.items():
+            before = workspace(sum(p.numel() for p in bucket), dtype, device, "step-before")
+            torch.cat([p.detach().reshape(-1) for p in bucket], out=before)
+            starts[dtype, device] = before
     output = local_step()
     with torch.no_grad():
-        # Each parameter becomes its delta in place, is reduced, and gets its start added back.
-        deltas = [p.data for p in params]
-        for delta, start in zip(deltas, before, strict=True):
-            delta.sub_(start)
-        adasum_allreduce(deltas, group=group, timeout=timeout)
-        for delta, start in zip(deltas, before, strict=True):
-            delta.add_(start)
+        for key, bucket in buckets.items():
+            before = starts[key]
+            delta = workspace(before.numel(), key[0], key[1], "step-delta")
+            pairs = list(zip(bucket, _views(before, bucket), _views(delta, bucket), strict=True))
+            for p, start, d in pairs:
+                torch.sub(p.detach(), start, out=d)
+            adasum_allreduce_flat(delta, [p.numel() for p in bucket], group=group, timeout=timeout)
+            for p, start, d in pairs:
+                torch.add(start, d, out=p.data)
     return output
+
+
+def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive pieces shaped like ``tensors``."""
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
 
 
 def broadcast_from_rank_zero(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:

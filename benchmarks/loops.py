@@ -77,11 +77,12 @@ class Shard(IterableDataset):
 
 
 class ReductionTimer:
-    """Wraps the Adasum allreduce the step calls and adds up its wall time (seconds) while ``on``."""
+    """Wraps the Adasum allreduce the step calls (``adasum_allreduce_flat``) and adds up its wall time
+    (seconds) while ``on``."""
 
     def __init__(self) -> None:
         self.seconds, self.on = 0.0, False
-        original = adasum_lightning.step.adasum_allreduce
+        original = adasum_lightning.step.adasum_allreduce_flat
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -91,7 +92,7 @@ class ReductionTimer:
                 if self.on:
                     self.seconds += time.perf_counter() - start
 
-        adasum_lightning.step.adasum_allreduce = timed
+        adasum_lightning.step.adasum_allreduce_flat = timed
 
 
 class StepClock:

@@ -198,9 +198,9 @@ def test_world_size_one_is_a_no_op(single_process_group):
 
 
 def test_workspace_is_reused_and_released():
-    buf = ar._scratch(100, torch.float32, torch.device("cpu"))
-    assert ar._scratch(50, torch.float32, torch.device("cpu")).data_ptr() == buf.data_ptr()
-    assert ar._scratch(200, torch.float32, torch.device("cpu")).numel() == 200  # grows
+    buf = ar.workspace(100, torch.float32, torch.device("cpu"))
+    assert ar.workspace(50, torch.float32, torch.device("cpu")).data_ptr() == buf.data_ptr()
+    assert ar.workspace(200, torch.float32, torch.device("cpu")).numel() == 200  # grows
     ar.release_workspace()
     assert not vars(ar._workspace)
 
@@ -278,3 +278,14 @@ def test_float32_ulps_counts_representable_steps():
 
 def test_norm_threshold_is_horovods():
     assert ADASUM_NORM_EPS == pytest.approx(1.4916681462400413e-154)
+
+
+def test_the_flat_form_refuses_a_buffer_it_cannot_reduce(single_process_group):
+    with pytest.raises(ValueError, match=r"needs a contiguous 1-D tensor, got shape \(2, 3\)"):
+        ar.adasum_allreduce_flat(torch.zeros(2, 3), [6])
+    with pytest.raises(ValueError, match="counts add up to 5, but the buffer holds 6 elements"):
+        ar.adasum_allreduce_flat(torch.zeros(6), [2, 3])
+    with pytest.raises(TypeError, match="element 0 is torch.int64"):
+        ar.adasum_allreduce_flat(torch.zeros(6, dtype=torch.int64), [6])
+    flat = torch.arange(6.0)
+    assert ar.adasum_allreduce_flat(flat, [2, 4]) is flat and torch.equal(flat, torch.arange(6.0))

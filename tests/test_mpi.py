@@ -114,7 +114,7 @@ def test_one_step_is_the_adasum_of_the_local_sgd_deltas(tmp_path):
 
 
 @pytest.mark.compat
-def test_resume_from_rank_zero_checkpoint(adasum_2ranks, tmp_path):
+def test_resume_restores_every_ranks_own_optimizer_state(adasum_2ranks, tmp_path):
     first, _ = adasum_2ranks
     ckpts = sorted((first / "checkpoints").glob("*.ckpt"))
     assert [c.name for c in ckpts] == ["epoch=1-step=16.ckpt"]
@@ -123,8 +123,10 @@ def test_resume_from_rank_zero_checkpoint(adasum_2ranks, tmp_path):
         2, "fit", str(tmp_path), "--epochs", "3", "--scheduler", "onecycle", "--ckpt-path", str(ckpts[0])
     )
     ranks = load_ranks(tmp_path, 2)
-    saved_state = ckpt["optimizer_states"][0]["state"]
-    for res in ranks:
+    # rank 0's state in the checkpoint, rank 1's beside it (tests/test_resume.py has the rest)
+    rank1 = torch.load(f"{ckpts[0]}.rank1-optimizer.pt", weights_only=False)
+    saved_states = [ckpt["optimizer_states"][0]["state"], rank1["optimizer_states"][0]["state"]]
+    for res, saved_state in zip(ranks, saved_states, strict=True):
         assert res["global_step_start"] == 16 and res["global_step"] == 24
         for name, tensor in ckpt["state_dict"].items():
             assert torch.equal(res["start"][name], tensor), name

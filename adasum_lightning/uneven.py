@@ -8,8 +8,9 @@ ranks of a group stop together:
 
 - a sized loader (``len()`` works): the ranks compare their counts when an epoch's iteration starts (one
   small all_gather) and every rank yields the shortest count's batches; no per-step cost;
-- an iterable loader: before each batch the ranks agree that every one of them has one (an all_reduce of
-  one integer per step), and at the epoch's end they exchange what each had (one all_gather).
+- an iterable loader: the ranks agree that every one of them has the next batch (an all_reduce of one
+  integer per step, sent one batch ahead so that it runs while the current batch trains), and at the
+  epoch's end they exchange what each had (one all_gather).
 
 Needs ``torch`` only; the Trainer strategies wrap their training loaders with it (``uneven_inputs=``), Fabric
 and plain-torch loops wrap theirs (``loader = EvenBatches(loader)``).
@@ -129,15 +130,25 @@ class EvenBatches:
         return stop
 
     def _agree_per_step(self) -> Iterator[Any]:
+        # The agreement on batch i + 1 runs while batch i trains: fetched and sent before batch i is yielded,
+        # waited for when batch i + 1 is asked for, so the step does not wait for it.
         iterator, yielded, device = iter(self.loader), 0, self._device()
-        while True:
+
+        def fetch() -> tuple[Any, torch.Tensor, Any]:
             batch = next(iterator, _END)
             has_batch = torch.tensor([0 if batch is _END else 1], device=device)
-            dist.all_reduce(has_batch, op=dist.ReduceOp.MIN, group=self.group)
+            work = dist.all_reduce(has_batch, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            return batch, has_batch, work
+
+        batch, has_batch, work = fetch()
+        while True:
+            work.wait()
             if not has_batch.item():
                 break
+            current = batch
+            batch, has_batch, work = fetch()
             yielded += 1
-            yield batch
+            yield current
         cut = self._gather(0 if batch is _END else 1)  # which ranks still had a batch
         if any(cut):
             counts = [f"more than {yielded}" if c else str(yielded) for c in cut]

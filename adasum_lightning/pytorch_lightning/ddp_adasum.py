@@ -56,7 +56,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (GPU default).
         timeout: how long a collective may wait for the other ranks before this rank fails
             (``torch.distributed``'s process-group timeout, default 30 minutes). A lost host is noticed after
-            at most this long; see the README's multi-node section.
+            at most this long; see docs/launching.md (several hosts).
         start_method: how Lightning starts the processes when it launches them (``"popen"``, ``"spawn"``,
             ``"fork"``, ``"forkserver"``), as for ``DDPStrategy``.
         lr_scaling: ``"auto"`` (factor 1), ``"none"`` or a positive factor.

@@ -16,7 +16,13 @@ from torch.optim import Optimizer
 
 from adasum_lightning import validation
 
-__all__ = ["import_horovod", "agree_on_process_group", "process_group_address", "needs_closure"]
+__all__ = [
+    "import_horovod",
+    "agree_on_process_group",
+    "check_adasum_world",
+    "process_group_address",
+    "needs_closure",
+]
 
 
 def import_horovod() -> Any:
@@ -62,6 +68,27 @@ def agree_on_process_group(hvd: Any, environment: Any) -> int:
     hosts = list(dict.fromkeys(hvd.allgather_object(socket.gethostname(), name="adasum_lightning.hosts")))
     environment.set_node_rank(hosts.index(socket.gethostname()))
     return len(hosts)
+
+
+def check_adasum_world(hvd: Any, device_type: str) -> str | None:
+    """The launch rules of Horovod's Adasum, right after ``hvd.init()``: the MPI controller, and a power-of-2
+    world on CPU (or, with NCCL on GPU, homogeneous power-of-2 nodes). Nothing to check at world size 1.
+
+    Returns:
+        A warning to show on rank 0 (NCCL on a single node: Adasum then averages), else None.
+
+    Raises:
+        AdasumConfigurationError: a rule fails (:mod:`adasum_lightning.validation`).
+    """
+    if hvd.size() == 1:
+        return None  # nothing is reduced
+    validation.check_controller(
+        mpi_built=hvd.mpi_built(), mpi_enabled=hvd.mpi_enabled(), gloo_enabled=hvd.gloo_enabled()
+    )
+    if device_type == "cuda" and hvd.nccl_built():
+        return validation.check_nccl_topology(hvd.size(), hvd.allgather_object(hvd.local_size()))
+    validation.check_world_size(hvd.size())
+    return None
 
 
 def process_group_address(single_host: bool) -> tuple[str | None, int | None, str | None]:

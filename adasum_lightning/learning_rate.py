@@ -8,12 +8,12 @@ every learning rate by N (PL #2574); Adasum needs no such factor (Maleki et al.,
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch.optim import Optimizer
 
-__all__ = ["LR_KEYS", "check_lr_scaling", "scale_learning_rates"]
+__all__ = ["LR_KEYS", "check_lr_scaling", "lr_factor", "scale_learning_rates"]
 
 #: Param-group keys that hold a learning rate: torch's optimizers use ``"lr"``; schedulers keep their own
 #: copies (``"initial_lr"`` for every LRScheduler, ``"max_lr"``/``"min_lr"`` for OneCycleLR).
@@ -59,3 +59,13 @@ def scale_learning_rates(optimizers: Iterable[Optimizer], schedulers: Iterable[A
     for scheduler in schedulers:
         if hasattr(scheduler, "base_lrs"):
             scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+
+def lr_factor(lr_scaling: str | float, auto: Callable[[], float]) -> float:
+    """The factor a strategy's ``lr_scaling`` (checked by :func:`check_lr_scaling`) stands for: 1 for
+    ``"none"``, the strategy's own policy ``auto()`` for ``"auto"``, else the number itself."""
+    if lr_scaling == "none":
+        return 1.0
+    if lr_scaling == "auto":
+        return auto()
+    return float(lr_scaling)

@@ -28,9 +28,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
-from adasum_lightning.horovod_support import agree_on_process_group, import_horovod, needs_closure
+from adasum_lightning.horovod_support import (
+    agree_on_process_group,
+    check_adasum_world,
+    import_horovod,
+    needs_closure,
+)
 from adasum_lightning.launchers import launcher_rank, seen_launcher
-from adasum_lightning.learning_rate import check_lr_scaling, scale_learning_rates
+from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.step import broadcast_from_rank_zero
 from adasum_lightning.validation import reported_on_every_rank
 
@@ -261,11 +266,7 @@ class HorovodStrategy(DDPStrategy):
 
     def lr_scale_factor(self) -> float:
         """The factor ``setup_optimizer`` applies to the learning rates (see ``lr_scaling``)."""
-        if self.lr_scaling == "none":
-            return 1.0
-        if self.lr_scaling == "auto":
-            return self._auto_lr_factor()
-        return float(self.lr_scaling)
+        return lr_factor(self.lr_scaling, self._auto_lr_factor)
 
     def _auto_lr_factor(self) -> float:
         return float(self.world_size)
@@ -389,18 +390,9 @@ class HorovodAdasumStrategy(HorovodStrategy):
     def _validate_environment(self) -> None:
         super()._validate_environment()
         validation.check_precision(self.precision.precision)
-        hvd = self.hvd
-        if hvd.size() == 1:
-            return  # nothing is reduced
-        validation.check_controller(
-            mpi_built=hvd.mpi_built(), mpi_enabled=hvd.mpi_enabled(), gloo_enabled=hvd.gloo_enabled()
-        )
-        if self.root_device.type == "cuda" and hvd.nccl_built():
-            warning = validation.check_nccl_topology(hvd.size(), hvd.allgather_object(hvd.local_size()))
-            if warning:
-                rank_zero_warn(warning)
-        else:
-            validation.check_world_size(hvd.size())
+        warning = check_adasum_world(self.hvd, self.root_device.type)
+        if warning:
+            rank_zero_warn(warning)
 
     @override
     def _validate_optimizer(self, optimizer: Optimizer) -> None:

@@ -35,7 +35,7 @@ from torch.nn import SyncBatchNorm
 from typing_extensions import override
 
 from adasum_lightning import validation
-from adasum_lightning.learning_rate import check_lr_scaling, scale_learning_rates
+from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.uneven import EvenBatches
 
 from . import _compat
@@ -252,11 +252,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
 
     def lr_scale_factor(self) -> float:
         """The factor applied to the learning rates when fitting starts (see ``lr_scaling``)."""
-        if self.lr_scaling == "none":
-            return 1.0
-        if self.lr_scaling == "auto":
-            return self._auto_lr_factor()
-        return float(self.lr_scaling)
+        return lr_factor(self.lr_scaling, self._auto_lr_factor)
 
     def _auto_lr_factor(self) -> float:
         return 1.0

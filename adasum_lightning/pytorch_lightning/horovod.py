@@ -34,7 +34,12 @@ from typing_extensions import override
 
 from adasum_lightning import validation
 from adasum_lightning.fabric.environment import HorovodEnvironment
-from adasum_lightning.horovod_support import agree_on_process_group, import_horovod, needs_closure
+from adasum_lightning.horovod_support import (
+    agree_on_process_group,
+    check_adasum_world,
+    import_horovod,
+    needs_closure,
+)
 from adasum_lightning.launchers import seen_launcher
 
 from . import _compat
@@ -342,18 +347,9 @@ class HorovodAdasumStrategy(HorovodStrategy):
     @override
     def _validate_environment(self) -> None:
         super()._validate_environment()
-        hvd = self.hvd
-        if hvd.size() == 1:
-            return  # nothing is reduced
-        validation.check_controller(
-            mpi_built=hvd.mpi_built(), mpi_enabled=hvd.mpi_enabled(), gloo_enabled=hvd.gloo_enabled()
-        )
-        if self.root_device.type == "cuda" and hvd.nccl_built():
-            warning = validation.check_nccl_topology(hvd.size(), hvd.allgather_object(hvd.local_size()))
-            if warning:
-                rank_zero_warn(warning)
-        else:
-            validation.check_world_size(hvd.size())
+        warning = check_adasum_world(self.hvd, self.root_device.type)
+        if warning:
+            rank_zero_warn(warning)
 
     @override
     def _validate_trainer(self, trainer: pl.Trainer) -> None:

@@ -104,6 +104,19 @@ def test_a_step_the_gradient_scaler_skips_on_one_rank_is_a_zero_update(tmp_path)
     assert all(torch.isfinite(t).all() for t in plain[0]["end"].values())  # the infinite step left no trace
 
 
+def test_bf16_mixed_and_value_clipping_with_fabric_as_an_instance_under_torchrun(tmp_path):
+    # Fabric's strategy object, setup_module + setup_optimizers, started by torchrun (not fabric.launch())
+    options = ("--bf16", "--clip-value", "0.01", "--epochs", "1")
+    plain = train("plain", tmp_path, 2, *options)
+    fabric_dir = tmp_path / "fabric-torchrun"
+    run_torchrun(2, "forms", str(fabric_dir), "--form", "fabric", "--fabric-package", FABRIC,
+                 "--fabric-instance", "--devices", "2", *options)  # fmt: skip
+    fabric = load_ranks(fabric_dir, 2)
+    assert fabric[0]["strategy"].endswith("fabric.ddp_adasum.DDPAdasumStrategy")
+    assert_same_training(plain, fabric, "fabric (instance, torchrun) vs plain")
+    assert_same_training(plain, train("trainer", tmp_path, 2, *options), "trainer vs plain")
+
+
 def test_lbfgs_with_a_closure(tmp_path):
     three_forms(tmp_path, 2, "--optimizer", "lbfgs", "--epochs", "1")
 

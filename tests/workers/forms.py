@@ -42,6 +42,11 @@ p.add_argument("--max-steps", type=int, default=-1, help="plain: stop after this
 p.add_argument("--accumulate", type=int, default=1)
 p.add_argument("--clip-norm", type=float, default=None)
 p.add_argument("--fp16-scaler", action="store_true")
+p.add_argument("--bf16", action="store_true", help="bf16-mixed (autocast to bfloat16)")
+p.add_argument("--clip-value", type=float, default=None)
+p.add_argument(
+    "--fabric-instance", action="store_true", help="fabric: a strategy object, setup_module/_optimizers"
+)
 p.add_argument("--inf-rank", type=int, default=-1)
 p.add_argument("--inf-step", type=int, default=-1)
 p.add_argument("--save-load", action="store_true", help="fabric: save at the end, load into fresh objects")
@@ -120,13 +125,16 @@ def run_plain() -> None:
                 optimizer.step(functools.partial(closure, optimizer, model, x, y))
                 step += 1
                 continue
-            with torch.autocast("cpu", dtype=torch.float16, enabled=args.fp16_scaler):
+            autocast = torch.bfloat16 if args.bf16 else torch.float16
+            with torch.autocast("cpu", dtype=autocast, enabled=args.fp16_scaler or args.bf16):
                 loss = loss_of(model, x, y, rank, step)
             scaler.scale(loss).backward()
             if is_step_batch(i, len(loader)):
                 if args.clip_norm is not None:
                     scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
+                if args.clip_value is not None:
+                    torch.nn.utils.clip_grad_value_(model.parameters(), args.clip_value)
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad()
@@ -146,16 +154,29 @@ def run_fabric() -> None:
     plugins = None
     if args.fp16_scaler:  # on CPU Fabric turns "16-mixed" into bf16-mixed; the plugin keeps fp16 and a scaler
         plugins = [precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    strategy = "ddp_adasum"
+    if args.fabric_instance:
+        copy = (
+            "adasum_lightning.fabric"
+            if args.fabric_package == "lightning_fabric"
+            else "adasum_lightning.lightning.fabric"
+        )
+        strategy = importlib.import_module(copy).DDPAdasumStrategy()
     fabric = fabric_module.Fabric(
-        accelerator="cpu", devices=args.devices, strategy="ddp_adasum", plugins=plugins
-    )
+        accelerator="cpu", devices=args.devices, strategy=strategy, plugins=plugins,
+        precision="bf16-mixed" if args.bf16 else None,
+    )  # fmt: skip
     fabric.launch()
     rank = fabric.global_rank
     fabric.seed_everything(100 + rank)
     model = tiny_net()
     if args.ddp_wrapped:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    if args.fabric_instance:  # the two-call form
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
+    else:
+        model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     step = 0
     for _epoch in range(args.epochs):
@@ -170,6 +191,8 @@ def run_fabric() -> None:
             if stepping:
                 if args.clip_norm is not None:
                     fabric.clip_gradients(model, optimizer, max_norm=args.clip_norm)
+                if args.clip_value is not None:
+                    fabric.clip_gradients(model, optimizer, clip_val=args.clip_value)
                 optimizer.step()
                 optimizer.zero_grad()
                 step += 1
@@ -216,7 +239,9 @@ def run_trainer() -> None:
         devices=args.devices,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
-        gradient_clip_val=args.clip_norm,
+        gradient_clip_val=args.clip_norm if args.clip_value is None else args.clip_value,
+        gradient_clip_algorithm="norm" if args.clip_value is None else "value",
+        precision="bf16-mixed" if args.bf16 else None,
         plugins=plugins,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -3,7 +3,7 @@
 Parts, in order: ``study`` (real processes; ``horovod_adasum``, ``ddp_adasum`` and averaging),
 ``simulated`` (validation + N = 8 … 64), ``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s),
 ``overhead`` (Lightning vs raw Horovod loop), ``loops`` (the three forms of ``ddp_adasum`` — plain loop,
-Fabric, Trainer — and DDP, on the example's CNN and a 67 MB MLP), ``allreduce`` (Adasum vs Average vs
+Fabric, Trainer — and DDP, on the example's CNN and a 57 MB MLP), ``allreduce`` (Adasum vs Average vs
 Sum; ``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
 (``docs/benchmarks.md`` and its PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum``
 rows, with ``horovod_adasum`` re-run beside them, merged into an existing ``study_real.json``). ``make

@@ -11,7 +11,7 @@
   agreement then costs one small all_reduce per step (:mod:`adasum_lightning.uneven`).
 
 ``--model``: ``cnn`` (the example's CNN, :class:`examples.mnist_torch.MNISTCNN`, 21.8k parameters) or
-``mlp`` (784 → 4 × 2048 → 10, ReLU, 16.8 M parameters, 67 MB float32). Synthetic data held in memory
+``mlp`` (784 → 4 × 2048 → 10, ReLU, 14.2 M parameters, 57 MB float32). Synthetic data held in memory
 (MNIST-shaped, batch 64 per process, a ``DistributedSampler`` shard per rank), SGD lr 0.01 momentum 0.9, one
 intra-op thread per process, Gloo. Rank 0 times the steps from step ``--skip`` to the end; every rank's peak
 RSS and (Adasum forms) the time spent in ``adasum_allreduce`` per step are gathered.

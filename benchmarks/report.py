@@ -576,7 +576,7 @@ def _loops_section(loops: dict) -> list[str]:
         '`torchrun`; `Fabric(strategy="ddp_adasum")` (`fabric_adasum`); `Trainer(strategy="ddp")` '
         '(`trainer_ddp`) and `Trainer(strategy="ddp_adasum")` (`trainer_adasum`, and '
         "`trainer_adasum_iterable` with an `IterableDataset`), Lightning's launcher. Models: the example's "
-        "CNN (21,840 parameters) and an MLP 784 → 4 × 2048 → 10 (16.8 M parameters, 67 MB); synthetic "
+        "CNN (21,840 parameters) and an MLP 784 → 4 × 2048 → 10 (14.2 M parameters, 57 MB); synthetic "
         "MNIST-shaped data in memory, batch 64 per process, SGD lr 0.01 momentum 0.9, Gloo, one thread per "
         "process. "
         "Steps/s of rank 0 after 5 warm-up steps. Each round runs every form once (the order rotated each "

@@ -44,7 +44,8 @@ class AdasumOptimizer(Optimizer):
             process-group timeout, 30 minutes); see :func:`adasum_lightning.adasum_allreduce`.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is an ``AdasumOptimizer`` already), or
+            ``timeout`` is not a ``timedelta``.
         RuntimeError: ``torch.distributed`` is not initialised; the message names the fix.
     """
 
@@ -62,6 +63,16 @@ class AdasumOptimizer(Optimizer):
             raise TypeError(
                 f"AdasumOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}: build the "
                 "optimizer first, e.g. AdasumOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))."
+            )
+        if isinstance(optimizer, AdasumOptimizer):
+            raise TypeError(
+                "this optimizer is already an AdasumOptimizer: wrap the torch.optim optimizer once (a second "
+                "wrapper would reduce every update twice)."
+            )
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(
+                f"timeout is a datetime.timedelta, e.g. timedelta(minutes=5); got {timeout!r} "
+                f"({type(timeout).__name__})"
             )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(

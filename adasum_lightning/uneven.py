@@ -6,11 +6,13 @@ batches leaves the others waiting in the update's reduction until the process gr
 or an ``IterableDataset`` whose shards differ, it does not. :class:`EvenBatches` wraps a loader so that all
 ranks of a group stop together:
 
-- a sized loader (``len()`` works): the ranks compare their counts when an epoch's iteration starts (one
-  small all_gather) and every rank yields the shortest count's batches; no per-step cost;
-- an iterable loader: the ranks agree that every one of them has the next batch (an all_reduce of one
-  integer per step, sent one batch ahead so that it runs while the current batch trains), and at the
-  epoch's end they exchange what each had (one all_gather).
+- a sized loader (``len()`` works, over a map-style dataset): the ranks compare their counts when an
+  epoch's iteration starts (one small all_gather) and every rank yields the shortest count's batches; no
+  per-step cost;
+- an iterable loader (no ``len()``, or a ``DataLoader`` over an ``IterableDataset``, whose ``len()`` may
+  promise more than it yields): the ranks agree that every one of them has the next batch (an all_reduce
+  of one integer per step, sent one batch ahead so that it runs while the current batch trains), and at
+  the epoch's end they exchange what each had (one all_gather).
 
 Needs ``torch`` only; the Trainer strategies wrap their training loaders with it (``uneven_inputs=``), Fabric
 and plain-torch loops wrap theirs (``loader = EvenBatches(loader)``).
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import IterableDataset
 
 from adasum_lightning.step import world_size
 from adasum_lightning.validation import check_uneven_inputs
@@ -40,8 +43,8 @@ def uneven_message(name: str, counts: list[str], stop: int, refuse: bool) -> str
     count as text: ``"5"``, or ``"more than 4"`` for an iterable rank cut short)."""
     listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
     fix = (
-        "Give every rank the same number of batches to use all the data (a DistributedSampler: Lightning's "
-        "use_distributed_sampler=True, or equal shards of an IterableDataset)"
+        "Give every rank the same number of batches to use all the data (a DistributedSampler — in "
+        "Lightning, use_distributed_sampler=True — or equal shards of an IterableDataset)"
     )
     if refuse:
         return (
@@ -53,6 +56,10 @@ def uneven_message(name: str, counts: list[str], stop: int, refuse: bool) -> str
         f"{stop} batches, the shortest count, so that no rank waits for the others in the update. {fix}, or "
         "pass uneven_inputs='error' to refuse this."
     )
+
+
+def _iterable_dataset(loader: Iterable) -> bool:
+    return isinstance(getattr(loader, "dataset", None), IterableDataset)
 
 
 def _length(loader: Iterable) -> int | None:
@@ -72,32 +79,32 @@ class EvenBatches:
     Args:
         loader: a ``DataLoader`` or any iterable of batches.
         group: the process group (default: the default group). At world size 1 it is ``loader`` as is.
-        uneven: what to do when the counts differ: ``"truncate"`` (default: every rank stops at the shortest
-            count, with a warning) or ``"error"`` (raise on every rank).
+        uneven_inputs: what to do when the counts differ: ``"truncate"`` (default: every rank stops at the
+            shortest count, with a warning) or ``"error"`` (raise on every rank).
         name: what the batches are for, in the messages (``"training"``).
         on_uneven: called with the warning text on every rank when the counts differ and ``uneven`` is
             ``"truncate"``; default: ``warnings.warn`` on the group's first rank, once per ``EvenBatches``.
 
     Raises:
-        ValueError: an unknown ``uneven``.
-        UnevenInputsError: on every rank, when the counts differ and ``uneven="error"``; for a sized loader
-            before the epoch's first batch, for an iterable one when the first rank runs out.
+        ValueError: an unknown ``uneven_inputs``.
+        UnevenInputsError: on every rank, when the counts differ and ``uneven_inputs="error"``; for a sized
+            loader before the epoch's first batch, for an iterable one when the first rank runs out.
     """
 
     def __init__(
         self,
         loader: Iterable,
         group: dist.ProcessGroup | None = None,
-        uneven: str = "truncate",
+        uneven_inputs: str = "truncate",
         name: str = "training",
         on_uneven: Callable[[str], None] | None = None,
     ) -> None:
         self.loader, self.group, self.name = loader, group, name
-        self.uneven = check_uneven_inputs(uneven)
+        self.uneven = check_uneven_inputs(uneven_inputs)
         self._on_uneven = on_uneven or self._warn_once
         self._warned = False
-        self._agreed: int | None = None
-        if _length(loader) is not None:
+        self._agreed: int | None = _length(loader)
+        if self._agreed is not None and world_size(group) > 1:
             self._agreed = self._agree_on_length()
 
     # ------------------------------------------------------------------------------------------ properties
@@ -115,11 +122,14 @@ class EvenBatches:
     def __iter__(self) -> Iterator[Any]:
         if world_size(self.group) == 1:
             yield from self.loader
-        elif _length(self.loader) is not None:
-            self._agreed = self._agree_on_length()
-            yield from itertools.islice(self.loader, self._agreed)
-        else:
+        elif _length(self.loader) is None:
             yield from self._agree_per_step()
+        else:
+            self._agreed = self._agree_on_length()
+            if _iterable_dataset(self.loader):  # its len() is a promise: agree per step too, up to it
+                yield from self._agree_per_step(self._agreed)
+            else:
+                yield from itertools.islice(self.loader, self._agreed)
 
     def _agree_on_length(self) -> int:
         """All_gather the counts; report a difference; the shortest count."""
@@ -129,10 +139,11 @@ class EvenBatches:
             self._report([str(c) for c in counts], stop)
         return stop
 
-    def _agree_per_step(self) -> Iterator[Any]:
+    def _agree_per_step(self, limit: int | None = None) -> Iterator[Any]:
         # The agreement on batch i + 1 runs while batch i trains: fetched and sent before batch i is yielded,
         # waited for when batch i + 1 is asked for, so the step does not wait for it.
-        iterator, yielded, device = iter(self.loader), 0, self._device()
+        iterator = iter(self.loader) if limit is None else itertools.islice(self.loader, limit)
+        yielded, device = 0, self._device()
 
         def fetch() -> tuple[Any, torch.Tensor, Any]:
             batch = next(iterator, _END)

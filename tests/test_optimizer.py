@@ -111,6 +111,13 @@ def test_lbfgs_steps_with_a_closure(group_of_one):
 def test_bad_input_names_the_fix(group_of_one):
     with pytest.raises(TypeError, match=r"AdasumOptimizer wraps a torch.optim.Optimizer, got list: build"):
         AdasumOptimizer([torch.zeros(2)])
+    sgd = torch.optim.SGD(tiny_net().parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError, match=r"timeout is a datetime.timedelta, e.g. timedelta\(minutes=5\); got 5"
+    ):
+        AdasumOptimizer(sgd, timeout=5)
+    with pytest.raises(TypeError, match="already an AdasumOptimizer: wrap the torch.optim optimizer once"):
+        AdasumOptimizer(AdasumOptimizer(sgd))
 
 
 def test_without_a_process_group_it_names_init_process_group():

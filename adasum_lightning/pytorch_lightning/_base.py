@@ -170,7 +170,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.world_size == 1 or trainer is None or not trainer.training:
             return dataloader
-        return EvenBatches(dataloader, uneven=self.uneven_inputs, on_uneven=self._warn_uneven_once)
+        return EvenBatches(dataloader, uneven_inputs=self.uneven_inputs, on_uneven=self._warn_uneven_once)
 
     def _warn_uneven_once(self, message: str) -> None:
         if not self._uneven_warned:

@@ -143,6 +143,22 @@ def plain_env() -> dict[str, str]:
     return {k: v for k, v in mpi_env().items() if not k.startswith(launchers)}
 
 
+def run_as_pytorch_job(np: int, worker: str, *args: str, timeout: float = 120) -> list[tuple[int, str]]:
+    """Start ``np`` processes of a worker the way an Azure ML PyTorch job does (``MASTER_ADDR``/``PORT``,
+    ``WORLD_SIZE``, ``NODE_RANK``, ``RANK``, ``LOCAL_RANK``; no torchrun): (exit status, output) of each."""
+    from lightning_fabric.plugins.environments.lightning import find_free_network_port
+
+    port, procs = find_free_network_port(), []
+    for rank in range(np):
+        env = dict(plain_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(np),
+                   NODE_RANK="0", RANK=str(rank), LOCAL_RANK=str(rank))  # fmt: skip
+        cmd = [sys.executable, "-m", f"tests.workers.{worker}", *args]
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, **out))
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    return [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True)]
+
+
 def run_torchrun(
     np: int, worker: str, *args: str, timeout: float = 240, check: bool = True
 ) -> subprocess.CompletedProcess:

@@ -23,6 +23,7 @@ from tests.helpers import (
     expected_message,
     load_ranks,
     plain_env,
+    run_as_pytorch_job,
     run_horovod,
     run_lightning,
     run_torchrun,
@@ -264,18 +265,10 @@ def test_a_killed_rank_ends_the_job_quickly(tmp_path):
 def test_a_world_size_that_the_trainer_does_not_describe_is_refused(tmp_path):
     # Two processes started as an Azure ML PyTorch job starts them (MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK,
     # RANK, LOCAL_RANK; no torchrun), but each Trainer says devices=1: Lightning would make both rank 0.
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(plain_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                   RANK=str(rank), LOCAL_RANK=str(rank))  # fmt: skip
-        cmd = [sys.executable, "-m", "tests.workers.fit", str(tmp_path), "--strategy", "ddp_adasum"]
-        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, **out))
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    results = run_as_pytorch_job(2, "fit", str(tmp_path), "--strategy", "ddp_adasum")
     message = expected_message(check_launcher_world_size, 2, 1, 1)
-    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode != 0
+    for rank, (returncode, out) in enumerate(results):
+        assert returncode != 0
         assert f"AdasumConfigurationError on rank {rank}: {message}" in out, out[-3000:]
 
 

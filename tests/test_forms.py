@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from packaging.requirements import Requirement
 
 from adasum_lightning.ops import adasum_reduce
@@ -26,7 +25,7 @@ from tests.helpers import (
     expected_message,
     load_ranks,
     mpi_env,
-    plain_env,
+    run_as_pytorch_job,
     run_job,
     run_lightning,
     run_torchrun,
@@ -188,19 +187,11 @@ def test_fabric_refuses_a_module_wrapped_in_ddp_on_every_rank(tmp_path):
 
 def test_fabric_refuses_a_world_size_its_devices_do_not_describe(tmp_path):
     # Two processes started as an Azure ML PyTorch job starts them (no torchrun); each Fabric says devices=1
-    port = find_free_network_port()
-    procs = []
-    for rank in range(2):
-        env = dict(plain_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                   RANK=str(rank), LOCAL_RANK=str(rank))  # fmt: skip
-        cmd = [sys.executable, "-m", "tests.workers.forms", str(tmp_path), "--form", "fabric",
-               "--devices", "1", "--fabric-package", FABRIC]  # fmt: skip
-        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, **out))
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    results = run_as_pytorch_job(2, "forms", str(tmp_path), "--form", "fabric", "--devices", "1",
+                                 "--fabric-package", FABRIC)  # fmt: skip
     message = expected_message(check_launcher_world_size, 2, 1, 1, api="Fabric")
-    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode != 0
+    for rank, (returncode, out) in enumerate(results):
+        assert returncode != 0
         assert f"AdasumConfigurationError on rank {rank}: {message}" in out, out[-3000:]
 
 

@@ -38,6 +38,15 @@ def write(path, content):
     return path
 
 
+#: The topology variables of the default job (horovod_adasum, 8 nodes × 4 GPUs, one GPU per process).
+TOPOLOGY = {
+    "ADASUM_STRATEGY": "horovod_adasum",
+    "ADASUM_ACCELERATOR": "gpu",
+    "ADASUM_DEVICES": "1",
+    "ADASUM_NUM_NODES": "8",
+}
+
+
 # -- the job description -------------------------------------------------------------------------------
 def test_defaults_keep_the_seed_topology_on_a_current_vm_size():
     job = AmlJob()
@@ -50,6 +59,7 @@ def test_defaults_keep_the_seed_topology_on_a_current_vm_size():
         "OMP_NUM_THREADS": "1",
         "NCCL_DEBUG": "WARN",
         "PYTHONUNBUFFERED": "1",
+        **TOPOLOGY,  # what a script without --trainer.* arguments reads
         **launch_settings.mpi_env(),  # Open MPI's fault settings, for Azure ML's mpirun
     }
     cmd = job.training_command()
@@ -126,6 +136,7 @@ def test_extra_environment_variables_merge_over_the_defaults():
         "OMP_NUM_THREADS": "1",
         "NCCL_DEBUG": "INFO",
         "PYTHONUNBUFFERED": "1",
+        **TOPOLOGY,
         **launch_settings.mpi_env(),
         "HOROVOD_LOG_LEVEL": "debug",
     }
@@ -160,6 +171,10 @@ def test_ddp_adasum_job_runs_lightning_ddp_on_the_topology():
         "OMP_NUM_THREADS": "1",
         "NCCL_DEBUG": "WARN",
         "PYTHONUNBUFFERED": "1",
+        "ADASUM_STRATEGY": "ddp_adasum",
+        "ADASUM_ACCELERATOR": "gpu",
+        "ADASUM_DEVICES": "4",
+        "ADASUM_NUM_NODES": "3",
     }
 
 
@@ -285,7 +300,7 @@ def test_lightning_cli_parses_the_ddp_adasum_strategy_with_its_timeout(package, 
         capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    namespace = "pytorch_lightning" if package == "pytorch_lightning" else "lightning"
+    namespace = "trainer" if package == "pytorch_lightning" else "lightning"
     expected = repr(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)
     assert (
         f"PARSED adasum_lightning.{namespace}.ddp_adasum DDPAdasumStrategy ddp_adasum {expected}"
@@ -468,7 +483,7 @@ def test_auto_prefers_v2_and_falls_back_to_v1(monkeypatch):
         ["--nodes", "four"],
         ["--bogus-option"],
         ["--env", "NOEQUALS"],
-        ["stray"],
+        ["--input"],
     ],
 )
 def test_argument_errors_exit_2(argv, capsys, no_sdk_calls):
@@ -480,8 +495,8 @@ def test_argument_errors_exit_2(argv, capsys, no_sdk_calls):
 
 def test_training_arguments_pass_through():
     args = cli.parse_args(["submit", "--nodes", "4", "--trainer.max_epochs=2", "--", "--model.lr", "0.02"])
-    job = cli.job_from_args(args)
-    assert job.node_count == 4 and job.max_nodes == 4
+    job, source_dir = cli.job_from_args(args)
+    assert job.node_count == 4 and source_dir is None and job.max_nodes == 4
     assert job.training_command()[-3:] == ["--trainer.max_epochs=2", "--model.lr", "0.02"]
     # an option's value may follow it before '--' too, and keeps its place
     args = cli.parse_args(["submit", "--trainer.max_epochs", "3", "--dry-run", "--data.data_dir=x"])

@@ -5,15 +5,23 @@ from __future__ import annotations
 import json
 import re
 import time
+import zipfile
 from unittest.mock import create_autospec
 
 import pytest
 import yaml
 
-from adasum_lightning import launch_settings
+from adasum_lightning import fault_tolerance
 from adasum_lightning.aml import cli, sdk_v1, sdk_v2
-from adasum_lightning.aml.job import AmlJob, AmlSubmitError, AmlUsageError, timedelta_arg
-from adasum_lightning.aml.staging import TORCH_VERSION, TORCHVISION_VERSION, stage_job
+from adasum_lightning.aml.job import (
+    DEFAULT_BASE_IMAGE,
+    DEFAULT_DDP_BASE_IMAGE,
+    AmlJob,
+    AmlSubmitError,
+    AmlUsageError,
+    timedelta_arg,
+)
+from adasum_lightning.aml.staging import constraints, stage_job
 from adasum_lightning.aml.workspace import WorkspaceConfig
 from tests.aml_support import no_network  # noqa: F401  (fixture)
 from tests.helpers import ROOT
@@ -22,11 +30,20 @@ pytestmark = pytest.mark.usefixtures("no_network")
 azureml_core = pytest.importorskip("azureml.core", reason="pip install -e '.[aml]'")
 azure_ai_ml = pytest.importorskip("azure.ai.ml", reason="pip install -e '.[aml-v2]'")
 
+TOPOLOGY = {"ADASUM_STRATEGY": "horovod_adasum", "ADASUM_ACCELERATOR": "gpu", "ADASUM_DEVICES": "1"}
 SUB = "0a1b2c3d-4e5f-6789-abcd-ef0123456789"
 CONFIG = WorkspaceConfig(SUB, "rg-adasum", "ws-adasum", "config_aml.json")
-DDP_ENV = {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "PYTHONUNBUFFERED": "1"}
+BASE_ENV = {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "PYTHONUNBUFFERED": "1"}
+#: What a script that takes no --trainer.* arguments reads (DDP_JOB: 3 nodes × 4 GPUs; the default: 8 × 4).
+DDP_ENV = {
+    **BASE_ENV,
+    "ADASUM_STRATEGY": "ddp_adasum",
+    "ADASUM_ACCELERATOR": "gpu",
+    "ADASUM_DEVICES": "4",
+    "ADASUM_NUM_NODES": "3",
+}
 #: MPI jobs also carry Open MPI's fault settings (OMPI_MCA_*), read by Azure ML's mpirun.
-ENV = {**DDP_ENV, **launch_settings.mpi_env()}
+ENV = {**BASE_ENV, **TOPOLOGY, "ADASUM_NUM_NODES": "8", **fault_tolerance.mpi_env()}
 DDP_JOB = {"strategy": "ddp_adasum", "node_count": 3, "process_count_per_node": 4}
 
 
@@ -36,29 +53,56 @@ def staged(tmp_path):
 
 
 # -- the job environment's build context ---------------------------------------------------------------
+PINS = "pip install -c /tmp/adasum/constraints.txt torch torchvision"
+
+
+def _wheel(ctx):
+    (wheel,) = ctx.glob("adasum_lightning-*-py3-none-any.whl")
+    return wheel
+
+
 def test_build_context_builds_horovod_with_nccl_after_torch(staged):
     ctx = staged.context_dir
-    assert sorted(p.name for p in ctx.iterdir()) == ["Dockerfile", "patches", "requirements.txt"]
+    wheel = _wheel(ctx)
+    assert sorted(p.name for p in ctx.iterdir()) == sorted(
+        ["Dockerfile", "constraints.txt", "patches", "requirements.txt", wheel.name]
+    )
     for name in ("build_horovod.sh", "horovod-0.28.1-torch2.patch"):  # the repo's own, byte for byte
         assert (ctx / "patches" / name).read_bytes() == (ROOT / "patches" / name).read_bytes()
     assert sorted(p.name for p in (ctx / "patches").iterdir()) == [
         "build_horovod.sh",
         "horovod-0.28.1-torch2.patch",
     ]
+    pins = (ROOT / "adasum_lightning" / "constraints.txt").read_bytes()
+    assert (ctx / "constraints.txt").read_bytes() == pins
     dockerfile = (ctx / "Dockerfile").read_text()
     assert "@" not in re.sub(r"#.*", "", dockerfile)  # every placeholder filled
     assert dockerfile.splitlines()[
         [i for i, line in enumerate(dockerfile.splitlines()) if line.startswith("FROM")][0]
-    ] == ("FROM nvidia/cuda:13.0.0-devel-ubuntu22.04")
-    torch_at = dockerfile.index(f"pip install torch=={TORCH_VERSION} torchvision=={TORCHVISION_VERSION}")
+    ] == (f"FROM {DEFAULT_BASE_IMAGE}")
+    torch_at = dockerfile.index(PINS)
+    wheel_at = dockerfile.index(f'"/tmp/adasum/{wheel.name}[examples]" -r /tmp/adasum/requirements.txt')
     build_at = dockerfile.index("bash /tmp/adasum/patches/build_horovod.sh --gpu")
-    assert torch_at < build_at and "openmpi-bin libopenmpi-dev" in dockerfile
+    assert torch_at < wheel_at < build_at and "openmpi-bin libopenmpi-dev" in dockerfile
     assert "hvd.nccl_built()" in dockerfile
-    reqs = (ctx / "requirements.txt").read_text().split()
-    assert "azureml-mlflow" in reqs and any(r.startswith("pytorch-lightning") for r in reqs)
-    assert not any(r.startswith(("torch", "horovod")) and not r.startswith("torchmetrics") for r in reqs)
-    # the example's LightningCLI needs jsonargparse (the `examples` extra), without an extra marker
-    assert any(r.startswith("jsonargparse[signatures]") for r in reqs) and not any(";" in r for r in reqs)
+    assert (ctx / "requirements.txt").read_text().split() == ["azureml-mlflow"]
+    # the wheel is the installed copy: the example's LightningCLI needs jsonargparse (its `examples` extra)
+    with zipfile.ZipFile(wheel) as whl:
+        metadata = whl.read(f"adasum_lightning-{wheel.name.split('-')[1]}.dist-info/METADATA").decode()
+        example = whl.read("adasum_lightning/aml/example/mnist.py")
+    assert example == (ROOT / "examples" / "mnist.py").read_bytes()
+    assert re.search(r"Requires-Dist: jsonargparse\[signatures\].*extra == \"examples\"", metadata)
+
+
+def test_the_environment_version_follows_the_image_content(tmp_path):
+    first = stage_job(AmlJob(), tmp_path / "a").environment_version
+    assert stage_job(AmlJob(), tmp_path / "b").environment_version == first  # same content, same version
+    assert len(first) == 16 and int(first, 16) >= 0
+    other_image = stage_job(AmlJob(base_image="nvidia/cuda:13.0.1-devel-ubuntu22.04"), tmp_path / "c")
+    with_requirements = stage_job(AmlJob(requirements=("tqdm>=4.57",)), tmp_path / "d")
+    ddp = stage_job(AmlJob(strategy="ddp_adasum"), tmp_path / "e")
+    versions = {first, other_image.environment_version, with_requirements.environment_version}
+    assert len(versions | {ddp.environment_version}) == 4
 
 
 @pytest.fixture
@@ -72,39 +116,42 @@ def _instructions(dockerfile: str) -> str:
 
 def test_ddp_adasum_build_context_has_no_mpi_and_no_horovod(staged_ddp):
     ctx = staged_ddp.context_dir
-    assert sorted(p.name for p in ctx.iterdir()) == ["Dockerfile", "requirements.txt"]  # no patches/
+    names = sorted(p.name for p in ctx.iterdir())
+    # no patches/: nothing is compiled in this image
+    assert names == sorted(["Dockerfile", "constraints.txt", "requirements.txt", _wheel(ctx).name])
     dockerfile = (ctx / "Dockerfile").read_text()
     steps = _instructions(dockerfile)
     assert "@" not in steps  # every placeholder filled
-    assert steps.splitlines()[0] == "FROM nvidia/cuda:13.0.0-runtime-ubuntu22.04"
-    assert f"pip install torch=={TORCH_VERSION} torchvision=={TORCHVISION_VERSION}" in steps
+    assert steps.splitlines()[0] == f"FROM {DEFAULT_DDP_BASE_IMAGE}"
+    assert PINS in steps and f"/tmp/adasum/{_wheel(ctx).name}[examples]" in steps
     assert "dist.is_nccl_available()" in steps
     for absent in ("horovod", "openmpi", "mpi", "build-essential", "nvcc", "patches", "openssh"):
         assert absent not in steps.lower(), absent
-    reqs = (ctx / "requirements.txt").read_text().split()
-    assert "azureml-mlflow" in reqs and any(r.startswith("jsonargparse[signatures]") for r in reqs)
-    assert not any("horovod" in r.lower() for r in reqs)
+    assert (ctx / "requirements.txt").read_text().split() == ["azureml-mlflow"]
 
 
 @pytest.mark.parametrize("strategy", ["horovod_adasum", "horovod"])
 def test_mpi_strategies_keep_the_horovod_image(strategy, tmp_path):
     ctx = stage_job(AmlJob(strategy=strategy), tmp_path / "stage").context_dir
     steps = _instructions((ctx / "Dockerfile").read_text())
-    assert steps.splitlines()[0] == "FROM nvidia/cuda:13.0.0-devel-ubuntu22.04"
+    assert steps.splitlines()[0] == f"FROM {DEFAULT_BASE_IMAGE}"
     assert "bash /tmp/adasum/patches/build_horovod.sh --gpu" in steps and "openmpi-bin" in steps
     assert (ctx / "patches" / "build_horovod.sh").is_file()
 
 
-def test_image_pins_match_make_setup():
-    setup = (ROOT / ".ci" / "setup.sh").read_text()
-    assert f"torch=={TORCH_VERSION} torchvision=={TORCHVISION_VERSION}" in setup
+def test_image_pins_are_the_ones_make_setup_installs():
+    assert constraints() == {"torch": "2.14.1", "torchvision": "0.29.1"}
+    assert "-c adasum_lightning/constraints.txt" in (ROOT / ".ci" / "setup.sh").read_text()
 
 
-def test_code_snapshot_holds_the_script_beside_the_package(staged):
+def test_code_snapshot_of_the_bundled_example_is_its_two_files(staged):
     code = staged.code_dir
+    assert sorted(p.name for p in code.iterdir()) == ["mnist.py", "mnist_torch.py"] == sorted(staged.files)
     assert (code / "mnist.py").read_bytes() == (ROOT / "examples" / "mnist.py").read_bytes()
-    assert (code / "adasum_lightning" / "pytorch_lightning" / "horovod.py").is_file()
-    assert not list(code.rglob("__pycache__"))
+
+
+def _not_registered(*args, **kwargs):
+    raise Exception("Environment not found")  # what azureml-core raises for an unknown name
 
 
 # -- SDK v1 ------------------------------------------------------------------------------------------
@@ -123,7 +170,7 @@ def test_v1_script_run_config(staged):
     assert rc["communicator"] == "IntelMpi"  # what azureml-core sets for any MpiConfiguration
     assert rc["environmentVariables"] == ENV
     env = rc["environment"]
-    assert env["name"] == "adasum-lightning-horovod-nccl"
+    assert env["name"] == f"adasum-lightning-horovod-nccl-{staged.environment_version}"
     assert env["docker"]["buildContext"] == {
         "locationType": None,
         "location": str(staged.context_dir),
@@ -148,7 +195,7 @@ def test_v1_pytorch_job_for_ddp_adasum(staged_ddp):
     assert rc["framework"] == "PyTorch" and rc["communicator"] == "nccl" and rc["nodeCount"] == 3
     assert rc["pytorch"] == {"communicationBackend": "nccl", "processCount": 12, "nodeCount": 3}
     assert rc["script"] == "mnist.py" and rc["arguments"][0] == "fit"
-    timeout = timedelta_arg(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = timedelta_arg(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)
     for arg in (
         "--trainer.strategy=adasum_lightning.DDPAdasumStrategy",
         f"--trainer.strategy.timeout={timeout}",
@@ -159,7 +206,7 @@ def test_v1_pytorch_job_for_ddp_adasum(staged_ddp):
         assert arg in rc["arguments"], arg
     assert rc["environmentVariables"] == DDP_ENV  # no OMPI_MCA_* without MPI
     env = rc["environment"]
-    assert env["name"] == "adasum-lightning-ddp"
+    assert env["name"] == f"adasum-lightning-ddp-{staged_ddp.environment_version}"
     assert env["docker"]["buildContext"]["location"] == str(staged_ddp.context_dir)
     assert env["python"]["interpreterPath"] == "/opt/venv/bin/python"
     assert json.loads(sdk_v1.render(src)) == rc
@@ -168,7 +215,7 @@ def test_v1_pytorch_job_for_ddp_adasum(staged_ddp):
 def test_v1_mpi_job_carries_the_open_mpi_fault_settings(staged):
     rc = sdk_v1.run_configuration(sdk_v1.build(AmlJob(strategy="horovod"), staged))
     assert rc["framework"] != "PyTorch" and rc["mpi"] == {"processCountPerNode": 4, "nodeCount": 8}
-    assert launch_settings.mpi_env().items() <= rc["environmentVariables"].items()
+    assert fault_tolerance.mpi_env().items() <= rc["environmentVariables"].items()
     assert "--trainer.strategy=horovod" in rc["arguments"]
 
 
@@ -193,6 +240,7 @@ def test_v1_submit_goes_to_the_experiment_and_creates_the_cluster(staged, monkey
         made.append((ws, name))
         return experiment
 
+    monkeypatch.setattr("azureml.core.Environment.get", _not_registered)
     job = AmlJob()
     out = sdk_v1.submit(
         job,
@@ -202,7 +250,7 @@ def test_v1_submit_goes_to_the_experiment_and_creates_the_cluster(staged, monkey
         experiment_factory=experiment_factory,
         upload_build_context=False,
     )
-    assert out is run and made == [(workspace, "adasum-lightning-mnist")]
+    assert out == (run, None) and made == [(workspace, "adasum-lightning-mnist")]
     compute_cls.assert_called_once_with(workspace=workspace, name="adasum-nc64t4")
     (ws, name, config), _ = compute_cls.create.call_args
     assert (ws, name) == (workspace, "adasum-nc64t4") and isinstance(
@@ -274,7 +322,7 @@ def test_v2_pytorch_job_for_ddp_adasum(staged_ddp, tmp_path):
     assert data["resources"] == {"instance_count": 3, "properties": {}, "shm_size": "16g"}
     words = data["command"].split()
     assert words[:4] == ["python", "mnist.py", "fit", "--trainer.strategy=adasum_lightning.DDPAdasumStrategy"]
-    timeout = timedelta_arg(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = timedelta_arg(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)
     for arg in (f"--trainer.strategy.timeout={timeout}", "--trainer.devices=4", "--trainer.num_nodes=3"):
         assert arg in words, arg
     assert "--trainer.accelerator=gpu" in words
@@ -294,16 +342,19 @@ def test_v2_pytorch_job_for_ddp_adasum(staged_ddp, tmp_path):
 def test_v2_mpi_job_carries_the_open_mpi_fault_settings(staged):
     data = yaml.safe_load(sdk_v2.render(sdk_v2.build(AmlJob(strategy="horovod", node_count=3), staged)))
     assert data["distribution"] == {"type": "mpi", "process_count_per_instance": 4}
-    assert launch_settings.mpi_env().items() <= data["environment_variables"].items()
+    assert fault_tolerance.mpi_env().items() <= data["environment_variables"].items()
 
 
 def _mock_client():
     from azure.ai.ml import MLClient
-    from azure.ai.ml.operations import ComputeOperations, JobOperations
+    from azure.ai.ml.operations import ComputeOperations, EnvironmentOperations, JobOperations
+    from azure.core.exceptions import ResourceNotFoundError
 
     client = create_autospec(MLClient, instance=True)
     client.compute = create_autospec(ComputeOperations, instance=True)
     client.jobs = create_autospec(JobOperations, instance=True)
+    client.environments = create_autospec(EnvironmentOperations, instance=True)
+    client.environments.get.side_effect = ResourceNotFoundError("no such environment")
     return client
 
 
@@ -315,7 +366,7 @@ def test_v2_submit_creates_the_cluster_and_the_job(staged, capsys):
     client.compute.get.side_effect = ResourceNotFoundError("no such compute")
     created = client.jobs.create_or_update.return_value
     created.name, created.studio_url = "adasum_job_1", "https://ml.azure.com/runs/adasum_job_1"
-    assert sdk_v2.submit(AmlJob(), staged, CONFIG, client=client) is created
+    assert sdk_v2.submit(AmlJob(), staged, CONFIG, client=client) == (created, None)
     client.compute.get.assert_called_once_with("adasum-nc64t4")
     (cluster,), _ = client.compute.begin_create_or_update.call_args
     assert isinstance(cluster, AmlCompute)
@@ -402,7 +453,11 @@ def test_dry_run_v1_ddp_adasum_prints_a_pytorch_job(capsys, tmp_path):
     assert "--trainer.num_nodes=3" in rc["arguments"] and "--trainer.devices=4" in rc["arguments"]
     assert not any(k.startswith("OMPI_") for k in rc["environmentVariables"])
     assert not (tmp_path / "image" / "patches").exists()
-    assert "ddp_adasum as a PyTorch job, 3 nodes × 4 processes (12 GPUs)" in out.err
+    assert re.search(
+        r"mnist.py with ddp_adasum as a PyTorch job, image adasum-lightning-ddp:[0-9a-f]{16}, "
+        r"3 nodes × 4 processes \(12 GPUs\)",
+        out.err,
+    )
 
 
 def test_dry_run_v2_ddp_adasum_takes_a_world_size_that_is_no_power_of_2(capsys, tmp_path):
@@ -430,8 +485,8 @@ def test_dry_run_of_mpi_jobs_shows_the_open_mpi_fault_settings(sdk, strategy, ca
         if sdk == "v1"
         else yaml.safe_load(out)["environment_variables"]
     )
-    assert launch_settings.mpi_env().items() <= env.items()
-    assert all(name.startswith("OMPI_MCA_") for name in launch_settings.mpi_env())
+    assert fault_tolerance.mpi_env().items() <= env.items()
+    assert all(name.startswith("OMPI_MCA_") for name in fault_tolerance.mpi_env())
 
 
 @pytest.mark.parametrize("sdk", ["v1", "v2"])

@@ -1,19 +1,21 @@
-"""``adasum-aml`` (also ``python -m adasum_lightning.aml``): submit the MNIST example to Azure ML.
+"""``adasum-aml`` (``python -m adasum_lightning.aml``): submit a Lightning project to Azure ML with Adasum.
 
 ::
 
-    adasum-aml submit --config config_aml.json                 # 8 nodes × 4 GPUs, SDK v2 if installed
-    adasum-aml submit --sdk v1 --dry-run                       # print the v1 run configuration (JSON)
-    adasum-aml submit --sdk v2 --dry-run                       # print the v2 job (YAML)
-    adasum-aml submit --local 2 --data-dir ../shared/data      # the job's command, 2 CPU processes
-    adasum-aml submit --strategy ddp_adasum --dry-run          # a PyTorch job: no MPI, no Horovod
-    adasum-aml submit -- --trainer.max_epochs=2 --model.lr=0.02   # pass-through training arguments
+    adasum-aml submit train.py -- --epochs 3                  # ./train.py of your project, 8 nodes × 4 GPUs
+    adasum-aml submit --source-dir ~/proj src/train.py --requirements ~/proj/requirements.txt \
+        --input data=azureml:my-data:1 -- fit --data.root=${{inputs.data}}
+    adasum-aml submit --dry-run                                # the bundled MNIST example: print the job
+    adasum-aml submit --local 2 train.py --input data=./data -- --data-dir '${{inputs.data}}'
+    adasum-aml submit --strategy ddp_adasum --stream train.py # a PyTorch job; follow its logs
 
 ``--strategy horovod_adasum`` (default) and ``horovod`` submit an Azure ML MPI job; ``ddp_adasum`` a
-PyTorch job (Azure ML starts one process per GPU and sets the torch.distributed variables).
+PyTorch job (Azure ML starts one process per GPU and sets the torch.distributed variables). With no SCRIPT
+the bundled MNIST example is submitted. See docs/azure_ml.md.
 
 Exit codes: 0 success; 1 submission failed (network, authentication, Azure); 2 bad input (the message
-names the fix; nothing was sent to Azure); otherwise the local run's exit code.
+names the fix; nothing was sent to Azure); 3 ``--stream``: the job ended without completing; otherwise
+the local run's exit code.
 """
 
 from __future__ import annotations
@@ -87,12 +89,6 @@ def resolve_sdk(choice: str) -> str:
     return choice
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own usage errors: exit 2 with the usage line, as usual
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _env_pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -101,14 +97,91 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Submit the adasum-lightning MNIST example to Azure ML.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Submit a Lightning project to Azure ML with Adasum."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "submit",
         help="submit the job (or --dry-run / --local N)",
-        description="Submit the MNIST example with horovod_adasum (an MPI job), horovod (an MPI job) or "
-        "ddp_adasum (a PyTorch job) to an Azure ML GPU cluster. Arguments after "
-        "'--' (and unknown --trainer.*/--model.*/--data.* options) are passed to the training script.",
+        description="Submit SCRIPT of the source directory (default: the bundled MNIST example) with "
+        "horovod_adasum (an MPI job), horovod (an MPI job) or ddp_adasum (a PyTorch job) to an Azure ML GPU "
+        "cluster. Arguments after '--' (and unknown --trainer.*/--model.*/--data.* options) are passed to "
+        "the script; they may name data as ${{inputs.NAME}} / ${{outputs.NAME}}.",
+    )
+    p.add_argument(
+        "script",
+        nargs="?",
+        metavar="SCRIPT",
+        help="the entry script, a path inside --source-dir relative to it (default: the bundled MNIST "
+        "example)",
+    )
+    p.add_argument(
+        "--source-dir",
+        help="your project's folder: the job's code snapshot, minus what its .amlignore or .gitignore "
+        "excludes (default: the current directory)",
+    )
+    p.add_argument(
+        "--trainer-args",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="append --trainer.strategy/devices/num_nodes to the script's arguments: on for LightningCLI "
+        "scripts, off for others (they read ADASUM_STRATEGY, ADASUM_DEVICES, ADASUM_NUM_NODES); auto "
+        "(default): on when the script uses LightningCLI",
+    )
+    p.add_argument(
+        "--requirements",
+        metavar="FILE",
+        help="your project's pip requirements, installed in the job image",
+    )
+    p.add_argument(
+        "--environment",
+        metavar="NAME[:VERSION]",
+        help="run in this registered Azure ML environment (NAME:VERSION, azureml:NAME:VERSION or "
+        "NAME@latest) instead of building one; it must have adasum-lightning (and Horovod for the Horovod "
+        "strategies)",
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=URI",
+        help="data the job reads: azureml://datastores/<ds>/paths/<p>, azureml:<asset>:<version>, https://…, "
+        "or a local path with --local (repeatable); the script's arguments name it ${{inputs.NAME}}",
+    )
+    p.add_argument(
+        "--input-mode",
+        action="append",
+        default=[],
+        metavar="NAME=MODE",
+        help="ro_mount (default) or download",
+    )
+    p.add_argument(
+        "--input-type",
+        action="append",
+        default=[],
+        metavar="NAME=TYPE",
+        help="uri_folder (default) or uri_file",
+    )
+    p.add_argument(
+        "--output",
+        action="append",
+        default=[],
+        metavar="NAME=URI",
+        help="a folder the job writes: azureml://datastores/<ds>/paths/<p> (or a local path with --local); "
+        "the script's arguments name it ${{outputs.NAME}}",
+    )
+    p.add_argument(
+        "--output-mode",
+        action="append",
+        default=[],
+        metavar="NAME=MODE",
+        help="rw_mount (default) or upload",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="after submitting, follow the job's logs until it ends; exit 0 when it completed, else 3",
     )
     p.add_argument(
         "--strategy",
@@ -177,37 +250,106 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--local-batches", type=int, default=4, help="batches per process for --local (default 4)")
     p.add_argument(
-        "--data-dir", default="data", help="MNIST root for --local (DIR/MNIST/raw; default ./data)"
+        "--data-dir",
+        default=None,
+        help="MNIST root of the bundled example for --local (DIR/MNIST/raw; default ./data); a script of "
+        "your own takes its data from --input",
     )
     return parser
 
 
+def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(launcher arguments, training arguments)``: LightningCLI options (:data:`PASS_THROUGH_PREFIXES`)
+    given before ``--``, with the bare value after one written without ``=`` (``--trainer.x 2``), go to the
+    script."""
+    launcher, training = [], []
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(PASS_THROUGH_PREFIXES):
+            training.append(arg)
+            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                training.append(argv[i + 1])
+                i += 1
+        else:
+            launcher.append(arg)
+        i += 1
+    return launcher, training
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse ``argv``; unknown LightningCLI options (``--trainer.x=…``) count as training arguments."""
+    """Parse ``argv``; LightningCLI options (``--trainer.x=…``) before ``--`` count as training arguments."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     after = []
     if "--" in argv:
         cut = argv.index("--")
         argv, after = argv[:cut], argv[cut + 1 :]
+    argv, passed = _split_pass_through(argv)
     args, unknown = parser.parse_known_args(argv)
-    bad = [a for a in unknown if a.startswith("-") and not a.startswith(PASS_THROUGH_PREFIXES)]
-    # A bare word is accepted only as the value of the pass-through option before it (--trainer.x 2).
-    bad += [
-        a
-        for i, a in enumerate(unknown)
-        if not a.startswith("-") and not (i > 0 and unknown[i - 1].startswith(PASS_THROUGH_PREFIXES)
-                                          and "=" not in unknown[i - 1])
-    ]  # fmt: skip
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)} (put training-script arguments after '--')")
-    args.training_args = [*unknown, *after]
+    if unknown:
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)} (put training-script arguments after '--')"
+        )
+    if getattr(args, "script", None) is None and after and after[0].endswith(".py"):
+        parser.error(
+            f"{after[0]} after '--' would be an argument of the bundled MNIST example: put the script before "
+            f"'--' (adasum-aml submit [--source-dir DIR] {after[0]} -- ARGS)"
+        )
+    args.training_args = [*passed, *after]
     return args
 
 
-def job_from_args(args: argparse.Namespace) -> AmlJob:
-    """The validated :class:`AmlJob` for parsed arguments (raises :class:`AmlUsageError`)."""
-    return AmlJob(
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse option combinations that contradict each other (before any file is read)."""
+    if args.script is None:
+        for flag, value in (
+            ("--source-dir", args.source_dir),
+            ("--trainer-args", args.trainer_args != "auto"),
+        ):
+            if value:
+                raise AmlUsageError(
+                    f"{flag} applies to a script of your own: pass SCRIPT (a path inside the source "
+                    f"directory), or drop {flag} to submit the bundled MNIST example"
+                )
+    elif args.data_dir is not None:
+        raise AmlUsageError(
+            "--data-dir is the bundled MNIST example's data folder; give your script its data with --input "
+            "NAME=PATH and ${{inputs.NAME}} in its arguments"
+        )
+    if args.stream and (args.dry_run or args.local is not None):
+        raise AmlUsageError("--stream follows a submitted job: drop it for --dry-run and --local")
+
+
+def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
+    """The validated :class:`AmlJob` for parsed arguments and the project's source directory (``None`` for
+    the bundled example). Raises :class:`AmlUsageError`."""
+    from adasum_lightning.aml.project import (
+        check_script,
+        parse_bindings,
+        read_requirements,
+        uses_lightning_cli,
+    )
+    from adasum_lightning.aml.staging import constraints
+
+    _check_options(args)
+    source_dir, script, trainer_args = None, None, True
+    if args.script is not None:
+        source_dir, script = check_script(args.source_dir or ".", args.script)
+        trainer_args = {"on": True, "off": False}.get(args.trainer_args)
+        if trainer_args is None:
+            trainer_args = uses_lightning_cli(source_dir / script)
+    data = parse_bindings(
+        args.input,
+        args.output,
+        args.input_mode,
+        args.output_mode,
+        args.input_type,
+        local=args.local is not None,
+    )
+    requirements = read_requirements(args.requirements, constraints()) if args.requirements else ()
+    job = AmlJob(
         strategy=args.strategy,
         experiment_name=args.experiment,
         compute_name=args.cluster,
@@ -219,13 +361,25 @@ def job_from_args(args: argparse.Namespace) -> AmlJob:
         training_args=tuple(args.training_args),
         environment_variables=dict(args.env),
         base_image=args.base_image,
+        script=script,
+        trainer_args=trainer_args,
+        data=data,
+        requirements=requirements,
+        environment=args.environment,
     )
+    return job, source_dir
 
 
-def _summary(job: AmlJob, sdk: str) -> str:
+def _summary(job: AmlJob, sdk: str, staged) -> str:
     kind = "an MPI job" if job.is_mpi else "a PyTorch job"
+    image = (
+        f"registered environment {job.environment}"
+        if job.environment
+        else f"image {job.environment_name}:{staged.environment_version}"
+    )
     return (
-        f"[{PROG}] SDK {sdk}: {job.strategy} as {kind}, {job.node_count} nodes × "
+        f"[{PROG}] SDK {sdk}: {job.script_name} with {job.strategy} as {kind}, {image}, "
+        f"{job.node_count} nodes × "
         f"{job.process_count_per_node} processes "
         f"({job.world_size} GPUs) of {job.vm_size} on cluster {job.compute_name} "
         f"({job.min_nodes}–{job.max_nodes} nodes), experiment {job.experiment_name}"
@@ -234,7 +388,7 @@ def _summary(job: AmlJob, sdk: str) -> str:
 
 def submit_command(args: argparse.Namespace) -> int:
     """``adasum-aml submit``: validate everything offline, then dry-run, run locally or submit."""
-    job = job_from_args(args)
+    job, source_dir = job_from_args(args)
     if args.local is not None:
         from adasum_lightning.aml.local import check_local_count, run_local
 
@@ -242,7 +396,14 @@ def submit_command(args: argparse.Namespace) -> int:
         work = (
             Path(args.staging_dir) if args.staging_dir else Path(tempfile.mkdtemp(prefix="adasum-aml-local-"))
         )
-        return run_local(job, args.local, work_dir=work, data_dir=args.data_dir, batches=args.local_batches)
+        return run_local(
+            job,
+            args.local,
+            work_dir=work,
+            source_dir=source_dir,
+            data_dir=args.data_dir,
+            batches=args.local_batches,
+        )
     sdk = resolve_sdk(args.sdk)
     config = load_workspace_config(args.config) if (args.config or not args.dry_run) else None
 
@@ -251,8 +412,8 @@ def submit_command(args: argparse.Namespace) -> int:
     keep = args.dry_run or bool(args.staging_dir)
     root = Path(args.staging_dir) if args.staging_dir else Path(tempfile.mkdtemp(prefix="adasum-aml-"))
     try:
-        staged = stage_job(job, root)
-        print(_summary(job, sdk), file=sys.stderr, flush=True)
+        staged = stage_job(job, root, source_dir)
+        print(_summary(job, sdk, staged), file=sys.stderr, flush=True)
         if sdk == "v1":
             from adasum_lightning.aml import sdk_v1 as backend
         else:
@@ -261,8 +422,9 @@ def submit_command(args: argparse.Namespace) -> int:
             built = backend.build(job, staged)
             print(backend.render(built), flush=True)
             print(
-                f"[{PROG}] dry run: nothing was sent to Azure; code snapshot {staged.code_dir}, "
-                f"build context {staged.context_dir}",
+                f"[{PROG}] dry run: nothing was sent to Azure; code snapshot {staged.code_dir} "
+                f"({len(staged.files)} files), build context "
+                f"{staged.context_dir or '(none: registered environment)'}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -273,7 +435,10 @@ def submit_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        backend.submit(job, staged, config)
+        _, status = backend.submit(job, staged, config, stream=args.stream)
+        if args.stream and status != "Completed":
+            print(f"{PROG}: the job ended with status {status}", file=sys.stderr)
+            return 3
         return 0
     finally:
         if not keep:

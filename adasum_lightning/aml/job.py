@@ -10,7 +10,7 @@ Two kinds of job:
 
 - ``horovod_adasum`` / ``horovod``: an Azure ML **MPI** job. Azure ML builds the ``mpirun`` and starts the
   training command once per process; the image has Open MPI and Horovod. The job's environment variables
-  carry Open MPI's fault settings (:func:`adasum_lightning.launch_settings.mpi_env`).
+  carry Open MPI's fault settings (:func:`adasum_lightning.fault_tolerance.mpi_env`).
 - ``ddp_adasum``: an Azure ML **PyTorch** job (SDK v2 ``PyTorchDistribution``, v1 ``PyTorchConfiguration``);
   no MPI, no Horovod. What Azure ML sets there and how Lightning reads it: see :data:`AML_PYTORCH_VARIABLES`.
 """
@@ -23,9 +23,13 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from adasum_lightning import launch_settings
+from adasum_lightning import fault_tolerance
 from adasum_lightning.ops import is_power_of_two
+
+if TYPE_CHECKING:
+    from adasum_lightning.aml.project import DataBinding
 
 
 class AmlUsageError(ValueError):
@@ -131,25 +135,9 @@ STRATEGIES: tuple[str, ...] = ("horovod_adasum", "horovod", "ddp_adasum")
 MPI_STRATEGIES = frozenset({"horovod_adasum", "horovod"})
 DEFAULT_STRATEGY = "horovod_adasum"
 
-# Azure ML PyTorch jobs (``distribution: type: pytorch``) start ``process_count_per_instance`` processes on
-# each of ``instance_count`` nodes themselves (per-process launch, no torchrun) and, in Microsoft's words,
-# "set the MASTER_ADDR, MASTER_PORT, WORLD_SIZE, and NODE_RANK environment variables on each node, and set
-# the process-level RANK and LOCAL_RANK environment variables" (Azure ML docs, "Distributed GPU training
-# guide", SDK v2 and v1: MicrosoftDocs/azure-ai-docs articles/machine-learning/how-to-train-distributed-gpu.md
-# and v1/how-to-train-distributed-gpu.md; the v1 page adds that Azure ML sets MASTER_PORT to 6105 and, for
-# Lightning, "num_nodes = node_count and gpus = process_count_per_node"). TORCHELASTIC_RUN_ID, SLURM's and
-# LSF's variables are not among them (documented, not seen on a live cluster: this project has no Azure
-# access), and the image has no mpi4py, so Lightning's accelerator connector
-# (``_choose_and_init_cluster_environment``: TorchElastic, SLURM, LSF, MPI, else Lightning) picks
-# **LightningEnvironment** (lightning_fabric/plugins/environments/lightning.py, Lightning 2.6.6):
-# LOCAL_RANK present → ``creates_processes_externally`` (Lightning starts no processes of its own);
-# MASTER_ADDR/MASTER_PORT → the rendezvous address; NODE_RANK → ``node_rank``; LOCAL_RANK → ``local_rank``.
-# It does NOT read RANK or WORLD_SIZE: DDPStrategy.set_world_ranks computes the global rank as
-# ``NODE_RANK × devices + LOCAL_RANK`` and the world size as ``num_nodes × devices`` from the Trainer's
-# arguments, and LightningEnvironment.validate_settings checks nothing (only TorchElastic and SLURM compare
-# devices × num_nodes with WORLD_SIZE). So the command must say ``--trainer.devices=<processes per node>
-# --trainer.num_nodes=<nodes>``: other values give duplicate ranks or a rendezvous that waits for ranks that
-# never come. :class:`AmlJob` sets both from the topology and refuses training arguments that change them.
+# Azure ML starts the processes of a PyTorch job itself and sets these; Lightning reads them through its
+# LightningEnvironment, which takes the world size from the Trainer's devices × num_nodes, not WORLD_SIZE:
+# why the job fixes both (docs/azure_ml.md, "How a ddp_adasum job starts").
 #: The variables Azure ML sets in every process of a PyTorch job (so ``--env`` must not set them).
 AML_PYTORCH_VARIABLES: tuple[str, ...] = (
     "MASTER_ADDR",
@@ -166,6 +154,9 @@ AML_PYTORCH_VARIABLES: tuple[str, ...] = (
 #: lightning's LightningCLI, jsonargparse 4.53). ``adasum_lightning.DDPAdasumStrategy`` resolves to the class
 #: of whichever Lightning package the script imported.
 DDP_STRATEGY_CLASS = "adasum_lightning.DDPAdasumStrategy"
+#: Shared memory of each job container (DataLoader workers pass batches through /dev/shm; Docker's 64 MB
+#: default is too small for them).
+SHM_SIZE = "16g"
 #: Seconds an idle node waits before the cluster scales down (cost: min nodes 0 means no idle charge).
 IDLE_SECONDS_BEFORE_SCALEDOWN = 1800
 
@@ -198,6 +189,39 @@ _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: nvidia/cuda images without nvcc (``…-runtime-…``, ``…-base-…``, ``cudnn-runtime``).
 _CUDA_WITHOUT_NVCC_RE = re.compile(r"^(docker\.io/)?nvidia/cuda:[^ ]*-(runtime|base)-", re.I)
 _SECRET_RE = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|(^|_)KEY($|_)|CONNECTION_STRING|SAS", re.I)
+
+
+#: What every process learns of the job's strategy and topology (:meth:`AmlJob.topology_variables`).
+TOPOLOGY_VARIABLES = ("ADASUM_STRATEGY", "ADASUM_ACCELERATOR", "ADASUM_DEVICES", "ADASUM_NUM_NODES")
+_ENVIRONMENT_RE = re.compile(
+    r"^(azureml:)?(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,254})((:(?P<version>[A-Za-z0-9][A-Za-z0-9_.-]*))|@latest)?$"
+)
+
+
+def environment_reference(text: str) -> str:
+    """``--environment NAME[:VERSION]`` (or ``azureml:NAME:VERSION``, ``NAME@latest``) as Azure ML writes it:
+    ``azureml:NAME:VERSION`` or ``azureml:NAME@latest``.
+
+    Raises:
+        AmlUsageError: not an environment reference (names the accepted forms).
+    """
+    match = _ENVIRONMENT_RE.match(str(text).strip())
+    if not match:
+        raise AmlUsageError(
+            f"--environment {text!r} is not an Azure ML environment reference: pass NAME:VERSION, "
+            "azureml:NAME:VERSION or NAME@latest (az ml environment list shows yours)"
+        )
+    version = match["version"]
+    return f"azureml:{match['name']}:{version}" if version else f"azureml:{match['name']}@latest"
+
+
+def environment_parts(reference: str) -> tuple[str, str | None]:
+    """``(name, version)`` of a normalized reference (version ``None`` for ``@latest``)."""
+    body = reference.removeprefix("azureml:")
+    if body.endswith("@latest"):
+        return body[: -len("@latest")], None
+    name, _, version = body.rpartition(":")
+    return name, version
 
 
 def timedelta_arg(value: datetime.timedelta) -> str:
@@ -269,7 +293,7 @@ class AmlJob:
             ``num_nodes`` follow ``strategy`` and the topology and cannot be changed here.
         environment_variables: extra environment variables of the job (merged over
             :data:`DEFAULT_ENVIRONMENT_VARIABLES`, and for MPI jobs over Open MPI's fault settings
-            :func:`adasum_lightning.launch_settings.mpi_env`). Names that look like secrets are refused: job
+            :func:`adasum_lightning.fault_tolerance.mpi_env`). Names that look like secrets are refused: job
             variables are visible in the run's details.
         base_image: base image of the job environment's Dockerfile; ``None`` (default): a CUDA *devel*
             image for the Horovod strategies (Horovod's NCCL build needs nvcc and the NCCL headers), the
@@ -290,6 +314,11 @@ class AmlJob:
     environment_variables: Mapping[str, str] = field(default_factory=dict)
     base_image: str | None = None
     strategy: str = DEFAULT_STRATEGY
+    script: str | None = None
+    trainer_args: bool = True
+    data: tuple[DataBinding, ...] = ()
+    requirements: tuple[str, ...] = ()
+    environment: str | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -339,6 +368,11 @@ class AmlJob:
                 "starting with a letter or digit. Fix --experiment"
             )
         base_image = self.base_image
+        if self.environment is not None and base_image is not None:
+            raise AmlUsageError(
+                f"--base-image {base_image} is the base of the image this launcher builds, but --environment "
+                f"{self.environment} uses a registered one: drop one of them"
+            )
         if base_image is None:
             base_image = DEFAULT_BASE_IMAGE if self.is_mpi else DEFAULT_DDP_BASE_IMAGE
         if not isinstance(base_image, str) or not base_image.strip() or " " in base_image:
@@ -350,14 +384,31 @@ class AmlJob:
                 f"{DEFAULT_BASE_IMAGE} (the default), or --strategy ddp_adasum (no Horovod)"
             )
         object.__setattr__(self, "base_image", base_image)
+        if self.environment is not None:
+            if self.requirements:
+                raise AmlUsageError(
+                    "--requirements adds packages to the image this launcher builds, but --environment "
+                    f"{self.environment} uses a registered one: add the packages to that environment, or "
+                    "drop --environment"
+                )
+            object.__setattr__(self, "environment", environment_reference(self.environment))
         args = tuple(self.training_args)
         if not all(isinstance(a, str) for a in args):
             raise AmlUsageError(f"training arguments must be strings, got {args!r}")
-        self._check_training_args(args)
+        if self.script is None and not self.trainer_args:
+            raise AmlUsageError("the bundled MNIST example is a LightningCLI script: drop --trainer-args off")
+        if self.trainer_args:
+            self._check_training_args(args)
+        from adasum_lightning.aml.project import check_placeholders
+
+        object.__setattr__(self, "data", tuple(self.data))
+        object.__setattr__(self, "requirements", tuple(self.requirements))
+        check_placeholders(args, self.data)
         object.__setattr__(self, "training_args", args)
         env = dict(DEFAULT_ENVIRONMENT_VARIABLES)
+        env.update(self.topology_variables())
         if self.is_mpi:
-            env.update(launch_settings.mpi_env())
+            env.update(fault_tolerance.mpi_env())
         for key, value in dict(self.environment_variables).items():
             if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
                 raise AmlUsageError(f"environment variable name {key!r} is invalid: fix --env NAME=VALUE")
@@ -365,6 +416,11 @@ class AmlJob:
                 raise AmlUsageError(
                     f"environment variable {key} looks like a secret; job variables are shown in the run's "
                     "details and in --dry-run output. Keep secrets in the workspace's key vault instead"
+                )
+            if key in TOPOLOGY_VARIABLES:
+                raise AmlUsageError(
+                    f"environment variable {key} is set by adasum-aml from --strategy, --nodes and "
+                    f"--gpus-per-node: remove --env {key}=…"
                 )
             if not self.is_mpi:
                 self._check_ddp_variable(key)
@@ -435,7 +491,7 @@ class AmlJob:
 
         Horovod strategies: ``--trainer.strategy=NAME --trainer.accelerator=gpu --trainer.devices=1`` (one
         GPU per MPI process). ``ddp_adasum``: the strategy's class with the process-group timeout
-        :data:`adasum_lightning.launch_settings.DDP_PROCESS_GROUP_TIMEOUT` (a collective that waits that long
+        :data:`adasum_lightning.fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT` (a collective that waits that long
         for a lost node fails instead of hanging), ``--trainer.accelerator=gpu``,
         ``--trainer.devices=<processes per node>`` and ``--trainer.num_nodes=<nodes>`` (see
         :data:`AML_PYTORCH_VARIABLES` for why both must match the job).
@@ -444,27 +500,50 @@ class AmlJob:
             return [f"--trainer.strategy={self.strategy}", "--trainer.accelerator=gpu", "--trainer.devices=1"]
         return [
             f"--trainer.strategy={DDP_STRATEGY_CLASS}",
-            f"--trainer.strategy.timeout={timedelta_arg(launch_settings.DDP_PROCESS_GROUP_TIMEOUT)}",
+            f"--trainer.strategy.timeout={timedelta_arg(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)}",
             "--trainer.accelerator=gpu",
             f"--trainer.devices={self.process_count_per_node}",
             f"--trainer.num_nodes={self.node_count}",
         ]
 
-    def training_command(self, python: str = "python") -> list[str]:
+    def topology_variables(
+        self, accelerator: str = "gpu", devices: int | None = None, nodes: int | None = None
+    ):
+        """The :data:`TOPOLOGY_VARIABLES` every process of the job gets, for scripts that take no
+        ``--trainer.*`` arguments: ``ADASUM_STRATEGY`` (the strategy name), ``ADASUM_ACCELERATOR``,
+        ``ADASUM_DEVICES`` (the Trainer's ``devices``: 1 per MPI process, the GPUs per node for
+        ``ddp_adasum``) and ``ADASUM_NUM_NODES``. ``--local`` passes its own values."""
+        return {
+            "ADASUM_STRATEGY": self.strategy,
+            "ADASUM_ACCELERATOR": accelerator,
+            "ADASUM_DEVICES": str(self.devices if devices is None else devices),
+            "ADASUM_NUM_NODES": str(self.node_count if nodes is None else nodes),
+        }
+
+    @property
+    def script_name(self) -> str:
+        """The entry script inside the code snapshot: ``SCRIPT`` or the bundled example's ``mnist.py``."""
+        return TRAINING_SCRIPT if self.script is None else self.script
+
+    def training_command(
+        self, python: str = "python", training_args: Sequence[str] | None = None
+    ) -> list[str]:
         """The command every process runs, as an argument list, e.g.
         ``["python", "mnist.py", "fit", "--trainer.strategy=horovod_adasum", ...]``.
 
+        The bundled example: ``fit``, :meth:`strategy_args`, its cluster defaults, then the training
+        arguments. A user's script: its arguments, then :meth:`strategy_args` when ``trainer_args`` (a
+        LightningCLI script; the job's topology wins over a config file), else nothing more (the script reads
+        :meth:`topology_variables`).
+
         Args:
             python: interpreter to start (``"python"`` on the cluster: the image's venv is first on PATH).
+            training_args: the arguments with their ``${{…}}`` placeholders bound (default: as given).
         """
-        return [
-            python,
-            TRAINING_SCRIPT,
-            "fit",
-            *self.strategy_args(),
-            *_COMMON_TRAINING_ARGS,
-            *self.training_args,
-        ]
+        args = list(self.training_args if training_args is None else training_args)
+        if self.script is None:
+            return [python, TRAINING_SCRIPT, "fit", *self.strategy_args(), *_COMMON_TRAINING_ARGS, *args]
+        return [python, self.script, *args, *(self.strategy_args() if self.trainer_args else [])]
 
     def command_line(self) -> str:
         """:meth:`training_command` as one shell-quoted string (the SDK v2 ``command``)."""

@@ -20,14 +20,16 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
+
 from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob, AmlUsageError, is_power_of_two
+from adasum_lightning.aml.project import bind_placeholders
 from adasum_lightning.aml.staging import stage_code
 
 #: Inherited variables of other launchers and schedulers, removed from a ``ddp_adasum`` local run so that
@@ -38,11 +40,14 @@ _OTHER_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "HOROVO
 _OTHER_LAUNCHER_NAMES = ("GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")
 
 
-def local_overrides(data_dir: str | os.PathLike, output_dir: str | os.PathLike, batches: int) -> list[str]:
-    """Arguments appended to the job's command for a CPU smoke run.
+def local_overrides(
+    data_dir: str | os.PathLike | None, output_dir: str | os.PathLike, batches: int
+) -> list[str]:
+    """Arguments appended to a LightningCLI script's command for a CPU smoke run.
 
     Args:
-        data_dir: torchvision MNIST root (``DIR/MNIST/raw``); downloaded when absent.
+        data_dir: torchvision MNIST root (``DIR/MNIST/raw``) of the bundled example; ``None`` for a user's
+            script (its data comes from ``--input``).
         output_dir: Lightning's ``default_root_dir``.
         batches: training and validation batches per process (one epoch).
     """
@@ -51,7 +56,7 @@ def local_overrides(data_dir: str | os.PathLike, output_dir: str | os.PathLike, 
         "--trainer.max_epochs=1",
         f"--trainer.limit_train_batches={batches}",
         f"--trainer.limit_val_batches={batches}",
-        f"--data.data_dir={data_dir}",
+        *([f"--data.data_dir={data_dir}"] if data_dir is not None else []),
         f"--trainer.default_root_dir={output_dir}",
     ]
 
@@ -73,13 +78,24 @@ def check_local_count(job: AmlJob, np: int) -> None:
 
 
 def local_command(
-    job: AmlJob, np: int, data_dir, output_dir, batches: int, python: str | None = None
+    job: AmlJob,
+    np: int,
+    data_dir,
+    output_dir,
+    batches: int,
+    python: str | None = None,
+    training_args: Sequence[str] | None = None,
 ) -> list[str]:
     """The local run's command.
 
-    Horovod strategies: ``horovodrun -np N -H localhost:N … python mnist.py <job args> <local overrides>``.
-    ``ddp_adasum``: ``python mnist.py <job args> <local overrides> --trainer.devices=N
+    Horovod strategies: ``horovodrun -np N -H localhost:N … python SCRIPT <job args> <local overrides>``.
+    ``ddp_adasum``: ``python SCRIPT <job args> <local overrides> --trainer.devices=N
     --trainer.num_nodes=1``, which each of the N processes runs (see :func:`pytorch_job_environment`).
+    The overrides (:func:`local_overrides`) apply to LightningCLI scripts; a script without
+    ``--trainer.*`` arguments runs with its own arguments and reads :func:`local_topology`.
+
+    Args:
+        training_args: the job's training arguments with their placeholders bound to local paths.
 
     Raises:
         AmlUsageError: see :func:`check_local_count`; ``batches`` < 1.
@@ -88,14 +104,13 @@ def local_command(
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         raise AmlUsageError(f"--local-batches {batches!r} must be a positive integer")
     python = python or sys.executable
+    command = job.training_command(python=python, training_args=training_args)
+    if job.trainer_args:
+        command += local_overrides(data_dir, output_dir, batches)
+        if not job.is_mpi:
+            command += [f"--trainer.devices={np}", "--trainer.num_nodes=1"]
     if not job.is_mpi:
-        overrides = local_overrides(data_dir, output_dir, batches)
-        return [
-            *job.training_command(python=python),
-            *overrides,
-            f"--trainer.devices={np}",
-            "--trainer.num_nodes=1",
-        ]
+        return command
     horovodrun = Path(python).with_name("horovodrun")
     if not horovodrun.exists():
         found = shutil.which("horovodrun")
@@ -107,8 +122,12 @@ def local_command(
     launcher = [str(horovodrun), "-np", str(np), "-H", f"localhost:{np}", "--mpi"]
     # More processes than cores: Open MPI busy-polls unless told to yield (about 5× slower otherwise).
     launcher.append("--mpi-args=--mca mpi_yield_when_idle 1")
-    command = job.training_command(python=python)
-    return launcher + command + local_overrides(data_dir, output_dir, batches)
+    return launcher + command
+
+
+def local_topology(job: AmlJob, np: int) -> dict[str, str]:
+    """:meth:`.job.AmlJob.topology_variables` of a local run: the CPU, one node, ``np`` processes."""
+    return job.topology_variables(accelerator="cpu", devices=1 if job.is_mpi else np, nodes=1)
 
 
 def pytorch_job_environment(np: int, rank: int, port: int) -> dict[str, str]:
@@ -124,12 +143,6 @@ def pytorch_job_environment(np: int, rank: int, port: int) -> dict[str, str]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _without_other_launchers(env: Mapping[str, str]) -> dict[str, str]:
     return {
         key: value
@@ -140,24 +153,38 @@ def _without_other_launchers(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def local_data_paths(job: AmlJob, work_dir: Path) -> dict[tuple[str, str], str]:
+    """Absolute local paths of the job's ``--input`` / ``--output`` bindings (outputs created)."""
+    paths = {}
+    for binding in job.data:
+        path = Path(binding.uri).expanduser().resolve()
+        if binding.direction == "outputs":
+            path.mkdir(parents=True, exist_ok=True)
+        paths[(binding.direction, binding.name)] = str(path)
+    return paths
+
+
 def run_local(
     job: AmlJob,
     np: int,
     *,
     work_dir: Path,
-    data_dir: str | os.PathLike = "data",
+    source_dir: Path | None = None,
+    data_dir: str | os.PathLike | None = None,
     batches: int = 4,
     timeout: float | None = 900,
 ) -> int:
     """Stage the code snapshot in ``work_dir/code`` and run the job's command there on ``np`` processes.
 
     Args:
-        job: the job description (its training arguments and environment variables are used).
-        np: processes (a power of 2 for ``horovod_adasum``); each trains ``batches`` batches of its shard
-            on the CPU.
+        job: the job description (its training arguments, data bindings — local paths here — and
+            environment variables are used).
+        np: processes (a power of 2 for ``horovod_adasum``); each trains on the CPU.
         work_dir: folder for the snapshot and Lightning's outputs (``work_dir/outputs``).
-        data_dir: MNIST root, made absolute against the current directory.
-        batches: training and validation batches per process.
+        source_dir: the project's source directory (``None`` for the bundled example).
+        data_dir: MNIST root of the bundled example (default ``data``), made absolute against the current
+            directory.
+        batches: training and validation batches per process (LightningCLI scripts).
         timeout: seconds before the run is stopped (``None``: no limit).
 
     Returns:
@@ -168,11 +195,14 @@ def run_local(
         AmlUsageError: see :func:`local_command`.
     """
     work_dir = Path(work_dir)
-    data_dir = Path(data_dir).expanduser().resolve()
-    command = local_command(job, np, data_dir, work_dir.resolve() / "outputs", batches)
-    code_dir = stage_code(work_dir / "code")
+    if job.script is None:
+        data_dir = Path(data_dir or "data").expanduser().resolve()
+    bound = bind_placeholders(job.training_args, local_data_paths(job, work_dir))
+    command = local_command(job, np, data_dir, work_dir.resolve() / "outputs", batches, training_args=bound)
+    code_dir, _ = stage_code(job, work_dir / "code", source_dir)
     env = dict(os.environ)
     env.update(job.environment_variables)
+    env.update(local_topology(job, np))
     env.setdefault("OMP_NUM_THREADS", "1")
     if job.is_mpi:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -183,7 +213,7 @@ def run_local(
         envs = [env]
     else:
         base = _without_other_launchers(env)
-        port = _free_port()
+        port = find_free_network_port()
         envs = [{**base, **pytorch_job_environment(np, rank, port)} for rank in range(np)]
         print(
             f"[adasum-aml] local run in {code_dir}: {np} processes started as an Azure ML PyTorch job starts "

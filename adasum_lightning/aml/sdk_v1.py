@@ -15,24 +15,33 @@ from pathlib import Path
 
 from adasum_lightning.aml.job import (
     IDLE_SECONDS_BEFORE_SCALEDOWN,
+    SHM_SIZE,
     AmlJob,
     AmlSubmitError,
     AmlUsageError,
+    environment_parts,
 )
+from adasum_lightning.aml.project import bind_placeholders
 from adasum_lightning.aml.staging import StagedJob
 from adasum_lightning.aml.workspace import WorkspaceConfig, check_network, redact
 
 #: Interpreter of the job image (the venv the Dockerfile creates).
 IMAGE_PYTHON = "/opt/venv/bin/python"
-SHM_SIZE = "16g"
 
 
-def build_environment(job: AmlJob, context_dir: Path, build_context=None):
-    """The job's ``azureml.core.Environment``, built from the Docker build context.
+def environment_name(job: AmlJob, staged: StagedJob) -> str:
+    """SDK v1 numbers an environment's versions itself, so the content version is part of the name:
+    ``adasum-lightning-horovod-nccl-<content version>``; a second submit of the same content finds it."""
+    return f"{job.environment_name}-{staged.environment_version}"
+
+
+def build_environment(job: AmlJob, staged: StagedJob, build_context=None):
+    """The job's ``azureml.core.Environment``: for ``--environment`` one that names the registered
+    environment (:func:`submit` fetches the real one), else built from the Docker build context.
 
     Args:
         job: the job description.
-        context_dir: the staged build context (:func:`.staging.stage_build_context`).
+        staged: the staged folders (:func:`.staging.stage_job`).
         build_context: a ``DockerBuildContext`` already uploaded to the workspace
             (``DockerBuildContext.from_local_directory``, done by :func:`submit`); ``None`` (offline) refers
             to the local folder.
@@ -43,12 +52,53 @@ def build_environment(job: AmlJob, context_dir: Path, build_context=None):
     from azureml.core import Environment
     from azureml.core.environment import DockerBuildContext
 
+    if job.environment is not None:
+        name, version = environment_parts(job.environment)
+        env = Environment(name)
+        env.version = version
+        return env
     if build_context is None:
-        build_context = DockerBuildContext(location=str(context_dir), dockerfile_path="Dockerfile")
-    env = Environment.from_docker_build_context(job.environment_name, build_context)
+        build_context = DockerBuildContext(location=str(staged.context_dir), dockerfile_path="Dockerfile")
+    env = Environment.from_docker_build_context(environment_name(job, staged), build_context)
     env.python.user_managed_dependencies = True
     env.python.interpreter_path = IMAGE_PYTHON
     return env
+
+
+def data_reference(name: str) -> str:
+    """The token SDK v1 runs replace by the path of the data bound to ``name`` (and the environment
+    variable that holds it): ``$AZUREML_DATAREFERENCE_<name>``."""
+    return f"$AZUREML_DATAREFERENCE_{name}"
+
+
+def build_data(job: AmlJob) -> tuple[dict, dict]:
+    """``(run_config.data, run_config.output_data)``: an ``azureml.core.runconfig.Data`` per ``--input``
+    (datastore path, data asset or https URL; mounted or downloaded) and an ``OutputData`` per
+    ``--output`` (datastore path; mounted or uploaded)."""
+    from azureml.core.runconfig import Data, DataLocation, DataPath, OutputData, Uri
+    from azureml.core.runconfig import Dataset as RunDataset
+
+    inputs, outputs = {}, {}
+    for binding in job.data:
+        store = binding.datastore_path
+        if store is not None:
+            location = DataLocation(data_path=DataPath(datastore_name=store[0], relative_path=store[1]))
+        elif binding.asset is not None:
+            name, version = binding.asset
+            location = DataLocation(dataset=RunDataset(dataset_name=name, dataset_version=version))
+        else:
+            location = DataLocation(uri=Uri(path=binding.uri, is_file=binding.type == "uri_file"))
+        if binding.direction == "inputs":
+            inputs[binding.name] = Data(
+                data_location=location,
+                mechanism="mount" if binding.mode == "ro_mount" else "download",
+                environment_variable_name=data_reference(binding.name)[1:],
+            )
+        else:
+            outputs[binding.name] = OutputData(
+                output_location=location, mechanism="mount" if binding.mode == "rw_mount" else "upload"
+            )
+    return inputs, outputs
 
 
 def build_distributed_job_config(job: AmlJob):
@@ -78,7 +128,8 @@ def build_script_run_config(job: AmlJob, code_dir: Path, environment):
     from azureml.core import ScriptRunConfig
     from azureml.core.runconfig import DockerConfiguration
 
-    command = job.training_command()
+    paths = {(b.direction, b.name): data_reference(b.name) for b in job.data}
+    command = job.training_command(training_args=bind_placeholders(job.training_args, paths))
     src = ScriptRunConfig(
         source_directory=str(code_dir),
         script=command[1],
@@ -89,14 +140,15 @@ def build_script_run_config(job: AmlJob, code_dir: Path, environment):
         docker_runtime_config=DockerConfiguration(use_docker=True, shm_size=SHM_SIZE),
     )
     src.run_config.environment_variables = dict(job.environment_variables)
+    src.run_config.data, src.run_config.output_data = build_data(job)
     return src
 
 
-def build(job: AmlJob, staged: StagedJob, build_context=None):
-    """:func:`build_script_run_config` with :func:`build_environment` for the staged folders (offline)."""
-    return build_script_run_config(
-        job, staged.code_dir, build_environment(job, staged.context_dir, build_context)
-    )
+def build(job: AmlJob, staged: StagedJob, build_context=None, environment=None):
+    """:func:`build_script_run_config` with ``environment`` (default :func:`build_environment`, offline)."""
+    if environment is None:
+        environment = build_environment(job, staged, build_context)
+    return build_script_run_config(job, staged.code_dir, environment)
 
 
 def run_configuration(src) -> dict:
@@ -202,6 +254,45 @@ def _check_existing(job: AmlJob, vm_size: str, max_nodes) -> None:
         )
 
 
+def resolve_environment(workspace, job: AmlJob, staged: StagedJob, upload_build_context: bool = True):
+    """What the run uses, looked up in the workspace: the registered ``--environment``; this launcher's
+    image when one of the same content was registered before (:func:`environment_name`: reused, no image
+    build); else a new one from the build context (uploaded unless ``upload_build_context`` is False),
+    which Azure ML registers with the run.
+
+    Raises:
+        AmlUsageError: ``--environment`` names an environment the workspace does not have.
+    """
+    from azureml.core import Environment
+    from azureml.core.environment import DockerBuildContext
+
+    if job.environment is not None:
+        name, version = environment_parts(job.environment)
+        try:
+            env = Environment.get(workspace, name, version=version)
+        except Exception as err:  # the SDK raises a generic exception for an unknown name or version
+            raise AmlUsageError(
+                f"--environment {job.environment}: the workspace has no such environment "
+                f"({redact(str(err).splitlines()[0] if str(err) else type(err).__name__)}). List them in "
+                "Azure ML studio, or drop --environment to let adasum-aml build one"
+            ) from None
+        print(f"[adasum-aml] using the registered environment {env.name}:{env.version}", flush=True)
+        return env
+    name = environment_name(job, staged)
+    try:
+        env = Environment.get(workspace, name)
+    except Exception:  # not registered yet
+        context = (
+            DockerBuildContext.from_local_directory(workspace, str(staged.context_dir), "Dockerfile")
+            if upload_build_context
+            else None
+        )
+        print(f"[adasum-aml] new environment {name}: Azure ML builds it with this run", flush=True)
+        return build_environment(job, staged, context)
+    print(f"[adasum-aml] reusing the environment {name} (same content as an earlier submit)", flush=True)
+    return env
+
+
 def submit(
     job: AmlJob,
     staged: StagedJob,
@@ -210,8 +301,10 @@ def submit(
     workspace=None,
     experiment_factory: Callable | None = None,
     upload_build_context: bool = True,
+    stream: bool = False,
 ):
-    """Submit ``job``: connect, get or create the cluster, upload the build context, ``Experiment.submit``.
+    """Submit ``job``: connect, get or create the cluster, find or upload its environment
+    (:func:`resolve_environment`), ``Experiment.submit``.
 
     Args:
         job, staged, config: what to run, its staged folders, where.
@@ -219,26 +312,23 @@ def submit(
         experiment_factory: ``(workspace, name) -> Experiment`` (default ``azureml.core.Experiment``).
         upload_build_context: upload the build context to the workspace storage
             (``DockerBuildContext.from_local_directory``); ``False`` keeps the local reference.
+        stream: follow the run's logs until it ends (``run.wait_for_completion(show_output=True)``).
 
     Returns:
-        The submitted ``azureml.core.Run``; its portal URL is printed.
+        ``(submitted azureml.core.Run, final status or None without stream)``; its id and portal URL are
+        printed.
 
     Raises:
         AmlSubmitError: see :func:`connect`; Azure errors while submitting (redacted).
-        AmlUsageError: see :func:`get_or_create_cluster`.
+        AmlUsageError: see :func:`get_or_create_cluster`, :func:`resolve_environment`.
     """
     from azureml.core import Experiment
-    from azureml.core.environment import DockerBuildContext
 
     workspace = workspace if workspace is not None else connect(config)
     get_or_create_cluster(workspace, job)
+    environment = resolve_environment(workspace, job, staged, upload_build_context)
     try:
-        context = (
-            DockerBuildContext.from_local_directory(workspace, str(staged.context_dir), "Dockerfile")
-            if upload_build_context
-            else None
-        )
-        src = build(job, staged, context)
+        src = build(job, staged, environment=environment)
         experiment = (experiment_factory or Experiment)(workspace, job.experiment_name)
         run = experiment.submit(src)
     except AmlUsageError:
@@ -246,4 +336,11 @@ def submit(
     except Exception as err:
         raise AmlSubmitError(f"SDK v1 submission failed: {redact(str(err))}") from err
     print(f"[adasum-aml] submitted run {run.id}: {run.get_portal_url()}", flush=True)
-    return run
+    if not stream:
+        return run, None
+    try:
+        status = run.wait_for_completion(show_output=True, raise_on_error=False).get("status")
+    except Exception as err:
+        raise AmlSubmitError(f"following run {run.id} failed: {redact(str(err))}") from err
+    print(f"[adasum-aml] run {run.id} ended: {status}", flush=True)
+    return run, status

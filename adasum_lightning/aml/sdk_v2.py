@@ -9,25 +9,30 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from pathlib import Path
 
 from adasum_lightning.aml.job import (
     IDLE_SECONDS_BEFORE_SCALEDOWN,
+    SHM_SIZE,
     AmlJob,
     AmlSubmitError,
     AmlUsageError,
+    environment_parts,
 )
 from adasum_lightning.aml.staging import StagedJob
 from adasum_lightning.aml.workspace import WorkspaceConfig, check_network, redact
 
-SHM_SIZE = "16g"
 _DISPLAY_NAMES = {"horovod_adasum": "adasum", "horovod": "horovod", "ddp_adasum": "ddp-adasum"}
 
 
 def build_environment(job: AmlJob, staged: StagedJob):
-    """The job's ``azure.ai.ml.entities.Environment``, built by Azure ML from the staged Docker build
-    context (uploaded with the job)."""
+    """The job's environment: the reference ``azureml:NAME:VERSION`` of ``--environment``, else an
+    ``azure.ai.ml.entities.Environment`` named :attr:`.job.AmlJob.environment_name`, versioned by its
+    content (:func:`.staging.content_version`), built by Azure ML from the staged Docker build context."""
     from azure.ai.ml.entities import BuildContext, Environment
 
+    if job.environment is not None:
+        return job.environment
     if job.is_mpi:
         description = (
             f"OpenMPI + CUDA ({job.base_image}), torch, Horovod with NCCL (patches/build_horovod.sh --gpu)"
@@ -36,6 +41,7 @@ def build_environment(job: AmlJob, staged: StagedJob):
         description = f"CUDA runtime ({job.base_image}), torch with NCCL; no MPI, no Horovod (ddp_adasum)"
     return Environment(
         name=job.environment_name,
+        version=staged.environment_version,
         description=description,
         build=BuildContext(path=str(staged.context_dir), dockerfile_path="Dockerfile"),
     )
@@ -51,23 +57,45 @@ def build_distribution(job: AmlJob):
     return kind(process_count_per_instance=job.process_count_per_node)
 
 
-def build(job: AmlJob, staged: StagedJob):
+def build_data(job: AmlJob) -> tuple[dict, dict]:
+    """``(inputs, outputs)`` of the job: ``azure.ai.ml.Input`` / ``Output`` per ``--input`` / ``--output``
+    (type, URI, mode); the command's ``${{inputs.NAME}}`` / ``${{outputs.NAME}}`` are bound by Azure ML."""
+    from azure.ai.ml import Input, Output
+
+    inputs, outputs = {}, {}
+    for binding in job.data:
+        if binding.direction == "inputs":
+            inputs[binding.name] = Input(type=binding.type, path=binding.uri, mode=binding.mode)
+        else:
+            outputs[binding.name] = Output(type=binding.type, path=binding.uri, mode=binding.mode)
+    return inputs, outputs
+
+
+def build(job: AmlJob, staged: StagedJob, environment=None):
     """The job as an ``azure.ai.ml.entities.CommandJob`` made by ``azure.ai.ml.command``:
     ``job.node_count`` instances × :func:`build_distribution` on the cluster ``job.compute_name``, code = the
-    staged snapshot."""
+    staged snapshot, the data bindings of :func:`build_data`.
+
+    Args:
+        environment: what the job runs in (default :func:`build_environment`; :func:`submit` passes the
+            reference of an environment that already exists)."""
     from azure.ai.ml import command
 
+    inputs, outputs = build_data(job)
+    name = Path(job.script_name).stem.replace("_", "-")
     node = command(
         code=str(staged.code_dir),
         command=job.command_line(),
-        environment=build_environment(job, staged),
+        inputs=inputs or None,
+        outputs=outputs or None,
+        environment=environment if environment is not None else build_environment(job, staged),
         environment_variables=dict(job.environment_variables),
         compute=job.compute_name,
         instance_count=job.node_count,
         distribution=build_distribution(job),
         shm_size=SHM_SIZE,
         experiment_name=job.experiment_name,
-        display_name=f"mnist-{_DISPLAY_NAMES[job.strategy]}-{job.node_count}x{job.process_count_per_node}",
+        display_name=f"{name}-{_DISPLAY_NAMES[job.strategy]}-{job.node_count}x{job.process_count_per_node}",
         tags={"vm_size": job.vm_size, "world_size": str(job.world_size), "strategy": job.strategy},
     )
     # The standalone job (not the pipeline-node form of the builder): what jobs.create_or_update submits.
@@ -155,26 +183,81 @@ def get_or_create_cluster(client, job: AmlJob):
     return client.compute.begin_create_or_update(cluster).result()
 
 
-def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=None):
-    """Submit ``job`` with ``client.jobs.create_or_update`` after getting or creating its cluster.
+def resolve_environment(client, job: AmlJob, staged: StagedJob):
+    """What the job runs in, looked up in the workspace: ``--environment``'s reference when it exists;
+    the reference of this launcher's image when its content version was registered before (reused: no
+    rebuild of Horovod); else the entity, which Azure ML registers and builds with the job.
+
+    Raises:
+        AmlUsageError: ``--environment`` names an environment the workspace does not have.
+    """
+    from azure.core.exceptions import ResourceNotFoundError
+
+    if job.environment is not None:
+        name, version = environment_parts(job.environment)
+        try:
+            found = (
+                client.environments.get(name, version=version)
+                if version
+                else client.environments.get(name, label="latest")
+            )
+        except ResourceNotFoundError:
+            raise AmlUsageError(
+                f"--environment {job.environment}: the workspace has no such environment. List them with "
+                "`az ml environment list`, or drop --environment to let adasum-aml build one"
+            ) from None
+        print(f"[adasum-aml] using the registered environment {found.name}:{found.version}", flush=True)
+        return f"azureml:{found.name}:{found.version}"
+    try:
+        client.environments.get(job.environment_name, version=staged.environment_version)
+    except ResourceNotFoundError:
+        print(
+            f"[adasum-aml] new environment {job.environment_name}:{staged.environment_version}: Azure ML "
+            "builds it with this job",
+            flush=True,
+        )
+        return build_environment(job, staged)
+    print(
+        f"[adasum-aml] reusing the environment {job.environment_name}:{staged.environment_version} "
+        "(same content as an earlier submit: no image build)",
+        flush=True,
+    )
+    return f"azureml:{job.environment_name}:{staged.environment_version}"
+
+
+def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=None, stream: bool = False):
+    """Submit ``job`` with ``client.jobs.create_or_update`` after getting or creating its cluster and
+    looking up its environment (:func:`resolve_environment`).
 
     Args:
         job, staged, config: what to run, its staged folders, where.
         client: an ``azure.ai.ml.MLClient`` (default: :func:`connect` to ``config``).
+        stream: follow the job's logs until it ends (``client.jobs.stream``).
 
     Returns:
-        The created job entity; its studio URL is printed.
+        ``(created job entity, final status or None without stream)``; its name and studio URL are printed.
 
     Raises:
         AmlSubmitError: no network; authentication or Azure errors (redacted; names ``az login``).
-        AmlUsageError: see :func:`get_or_create_cluster`.
+        AmlUsageError: see :func:`get_or_create_cluster`, :func:`resolve_environment`.
     """
     from azure.core.exceptions import ClientAuthenticationError
 
     client = client if client is not None else connect(config)
     try:
         get_or_create_cluster(client, job)
-        created = client.jobs.create_or_update(build(job, staged), experiment_name=job.experiment_name)
+        environment = resolve_environment(client, job, staged)
+        created = client.jobs.create_or_update(
+            build(job, staged, environment), experiment_name=job.experiment_name
+        )
+        print(f"[adasum-aml] submitted job {created.name}: {created.studio_url}", flush=True)
+        if not stream:
+            return created, None
+        try:
+            client.jobs.stream(created.name)
+        except Exception as err:  # JobException when the job failed: its status below says so
+            print(f"[adasum-aml] {redact(str(err).strip().splitlines()[0] if str(err) else '')}", flush=True)
+        status = client.jobs.get(created.name).status
     except AmlUsageError:
         raise
     except ClientAuthenticationError as err:
@@ -184,5 +267,5 @@ def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=No
         ) from err
     except Exception as err:
         raise AmlSubmitError(f"SDK v2 submission failed: {redact(str(err))}") from err
-    print(f"[adasum-aml] submitted job {created.name}: {created.studio_url}", flush=True)
-    return created
+    print(f"[adasum-aml] job {created.name} ended: {status}", flush=True)
+    return created, status

@@ -2,47 +2,51 @@
 
 Both backends upload these folders (SDK v1 at ``Experiment.submit`` / ``DockerBuildContext``, SDK v2 at
 ``jobs.create_or_update``); ``--dry-run`` shows their local paths and ``--local`` runs the snapshot.
+Everything is read from the installed package (package data), never from a repository checkout.
 
-- build context: ``Dockerfile`` and ``requirements.txt``. For the Horovod strategies (MPI jobs) the
-  Dockerfile comes from ``Dockerfile.in`` and the context also holds ``patches/`` (this repository's
-  ``patches/build_horovod.sh`` and Horovod patch, copied in; Horovod's own code is never copied: the script
-  downloads its source distribution while the image is built). For ``ddp_adasum`` (PyTorch jobs) it comes
-  from ``Dockerfile.ddp.in``: a CUDA runtime image with torch and the requirements, no MPI, no Horovod.
-- code snapshot: ``mnist.py`` (``examples/mnist.py``, with its ``mnist_torch.py``) next to the
-  ``adasum_lightning`` package, so the job's ``python mnist.py`` imports the same package version as the one
-  that submitted it.
+- build context: ``Dockerfile``, ``constraints.txt`` (the torch/torchvision pins), ``requirements.txt``
+  (``azureml-mlflow`` and the project's ``--requirements``) and the adasum-lightning wheel built from the
+  installed copy (:func:`build_wheel`), so that the job imports the version that submitted it. For the
+  Horovod strategies (MPI jobs) the Dockerfile comes from ``Dockerfile.in`` and the context also holds
+  ``patches/`` (the Horovod build script and patch; Horovod's own code is downloaded while the image is
+  built); for ``ddp_adasum`` (PyTorch jobs) from ``Dockerfile.ddp.in`` (no MPI, no Horovod, no compiler).
+  :func:`content_version` names the image by its content, so a second submit reuses it.
+- code snapshot: the project's source directory as Azure ML uploads it (:mod:`.project`), or the bundled
+  MNIST example (``mnist.py`` with its ``mnist_torch.py``) when no script is given.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import importlib.resources
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.requirements import Requirement
-
 from adasum_lightning.aml.job import TRAINING_SCRIPT, AmlJob, AmlUsageError
+from adasum_lightning.aml.project import copy_snapshot
 
-#: Same pins as ``.ci/setup.sh`` (the versions the project is tested with).
-TORCH_VERSION = "2.14.1"
-TORCHVISION_VERSION = "0.29.1"
 #: GPU compute capabilities Horovod's CUDA kernels are built for (T4, A100, A10/A40, L4, H100).
 CUDA_CC_LIST = "75,80,86,89,90"
-#: Extra packages of the job image besides the project's own requirements.
+#: Extra packages of the job image besides adasum-lightning and the project's own requirements.
 IMAGE_EXTRA_REQUIREMENTS = ("azureml-mlflow",)
-#: The project's extras the training script needs (``examples``: torchvision, jsonargparse for LightningCLI).
-IMAGE_EXTRAS = ("examples",)
-
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
-REPO_ROOT = PACKAGE_DIR.parent
-PATCHES_DIR = REPO_ROOT / "patches"
-EXAMPLE_SCRIPT = REPO_ROOT / "examples" / "mnist.py"
-#: The example's Lightning-free model and data, imported by ``mnist.py``; copied beside it.
-EXAMPLE_MODULES = (REPO_ROOT / "examples" / "mnist_torch.py",)
-DOCKERFILE_TEMPLATE = Path(__file__).resolve().with_name("Dockerfile.in")
-#: The image of ``ddp_adasum`` jobs (no MPI, no Horovod).
-DDP_DOCKERFILE_TEMPLATE = Path(__file__).resolve().with_name("Dockerfile.ddp.in")
+#: The extras of adasum-lightning the image installs (``examples``: torchvision, jsonargparse).
+IMAGE_EXTRAS = "examples"
+DISTRIBUTION = "adasum-lightning"
+#: Packages of the bundled files (``setup.py`` maps ``examples/`` and ``patches/`` there).
+EXAMPLE_PACKAGE = "adasum_lightning.aml.example"
+HOROVOD_BUILD_PACKAGE = "adasum_lightning.aml.horovod_build"
+#: The example's files in the snapshot: the LightningCLI script and its Lightning-free model and data.
+EXAMPLE_FILES = (TRAINING_SCRIPT, "mnist_torch.py")
+#: Files of an installed ``.dist-info`` that describe the installation, not the package.
+_INSTALL_RECORDS = ("INSTALLER", "REQUESTED", "direct_url.json", "RECORD")
+#: Wheel timestamps (the zip format's earliest date) so that the same files give the same wheel bytes.
+_SOURCE_DATE_EPOCH = "315532800"
 
 
 @dataclass(frozen=True)
@@ -50,101 +54,180 @@ class StagedJob:
     """Folders prepared for one job.
 
     Attributes:
-        code_dir: the code snapshot (``mnist.py`` + ``adasum_lightning/``); the job's working directory.
-        context_dir: the Docker build context (``Dockerfile``, ``requirements.txt``, ``patches/``).
+        code_dir: the code snapshot; the job's working directory.
+        context_dir: the Docker build context (``Dockerfile``, ``constraints.txt``, ``requirements.txt``,
+            the adasum-lightning wheel, ``patches/``); ``None`` when the job uses a registered environment.
+        environment_version: :func:`content_version` of the build context (``None`` without one).
+        files: the snapshot's files (POSIX paths relative to ``code_dir``).
     """
 
     code_dir: Path
-    context_dir: Path
+    context_dir: Path | None
+    environment_version: str | None = None
+    files: tuple[str, ...] = ()
 
 
-def image_requirements() -> list[str]:
-    """The project's install requirements and those of :data:`IMAGE_EXTRAS` (markers dropped), minus
-    torch/torchvision (installed first, pinned), plus :data:`IMAGE_EXTRA_REQUIREMENTS`, as requirement
-    strings."""
-    reqs = []
-    for line in importlib.metadata.requires("adasum-lightning") or []:
-        req = Requirement(line)
-        if req.marker is not None and "extra" in str(req.marker):
-            if not any(req.marker.evaluate({"extra": extra}) for extra in IMAGE_EXTRAS):
-                continue
-            req.marker = None  # other markers stay: pip evaluates them in the image
-        if req.name.lower() in ("torch", "torchvision"):
-            continue
-        if str(req) not in reqs:
-            reqs.append(str(req))
-    return reqs + list(IMAGE_EXTRA_REQUIREMENTS)
+def package_file(package: str, name: str) -> Path:
+    """A file shipped inside the installed package (wheel or checkout alike)."""
+    path = Path(str(importlib.resources.files(package).joinpath(name)))
+    if not path.is_file():
+        raise AmlUsageError(
+            f"{name} is missing from the installed {package}: reinstall adasum-lightning "
+            "(pip install --force-reinstall adasum-lightning)"
+        )
+    return path
+
+
+def constraints() -> dict[str, str]:
+    """The pinned versions of ``adasum_lightning/constraints.txt``: ``{"torch": "2.14.1", ...}``."""
+    pins = {}
+    for line in package_file("adasum_lightning", "constraints.txt").read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name.strip().lower()] = version.strip()
+    return pins
 
 
 def dockerfile_template(job: AmlJob) -> Path:
     """``Dockerfile.in`` (Open MPI + Horovod) for MPI jobs, ``Dockerfile.ddp.in`` for ``ddp_adasum``."""
-    return DOCKERFILE_TEMPLATE if job.is_mpi else DDP_DOCKERFILE_TEMPLATE
+    return package_file("adasum_lightning.aml", "Dockerfile.in" if job.is_mpi else "Dockerfile.ddp.in")
 
 
-def render_dockerfile(job: AmlJob) -> str:
-    """The job image's Dockerfile text for ``job.strategy`` and ``job.base_image``."""
+def render_dockerfile(job: AmlJob, wheel_name: str) -> str:
+    """The job image's Dockerfile text for ``job.strategy``, ``job.base_image`` and the staged wheel."""
     text = dockerfile_template(job).read_text(encoding="utf-8")
     for key, value in {
         "BASE_IMAGE": job.base_image,
-        "TORCH_VERSION": TORCH_VERSION,
-        "TORCHVISION_VERSION": TORCHVISION_VERSION,
         "CUDA_CC_LIST": CUDA_CC_LIST,
+        "WHEEL": wheel_name,
+        "EXTRAS": IMAGE_EXTRAS,
     }.items():
         text = text.replace(f"@{key}@", value)
     return text
 
 
-def _require(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise AmlUsageError(
-            f"{what} {path} is missing: run adasum-aml from a checkout of adasum-lightning installed with "
-            "`pip install -e '.[aml-v2]'` (the job image is built from the repository's patches/ folder)"
-        )
-    return path
-
-
-def stage_build_context(job: AmlJob, dest: Path) -> Path:
-    """Write the Docker build context into ``dest`` (created) and return it.
+def _installed_distribution() -> importlib.metadata.Distribution:
+    """The installed ``.dist-info`` of adasum-lightning (the one pip wrote, which has a ``WHEEL`` file; a
+    checkout's ``*.egg-info`` build folder found on ``sys.path`` first has none).
 
     Raises:
-        AmlUsageError: for an MPI job, the repository's ``patches/`` folder (build script and patch) is not
-            found.
+        AmlUsageError: adasum-lightning is imported but not installed (names the pip command).
     """
-    if job.is_mpi:
-        script = _require(PATCHES_DIR / "build_horovod.sh", "the Horovod build script")
-        patches = sorted(PATCHES_DIR.glob("horovod-*.patch"))
-        if not patches:
-            _require(PATCHES_DIR / "horovod-<version>-torch2.patch", "the Horovod patch")
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "Dockerfile").write_text(render_dockerfile(job), encoding="utf-8")
-    (dest / "requirements.txt").write_text("\n".join(image_requirements()) + "\n", encoding="utf-8")
-    if job.is_mpi:
-        (dest / "patches").mkdir(exist_ok=True)
-        for src in (script, *patches):
-            shutil.copy2(src, dest / "patches" / src.name)
-    return dest
-
-
-def stage_code(dest: Path) -> Path:
-    """Write the code snapshot into ``dest`` (created) and return it.
-
-    Raises:
-        AmlUsageError: ``examples/mnist.py`` is not found beside the package.
-    """
-    script = _require(EXAMPLE_SCRIPT, "the training script")
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(script, dest / TRAINING_SCRIPT)
-    for module in EXAMPLE_MODULES:
-        shutil.copy2(_require(module, "the training script's model and data"), dest / module.name)
-    shutil.copytree(
-        PACKAGE_DIR,
-        dest / "adasum_lightning",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-        dirs_exist_ok=True,
+    for dist in importlib.metadata.distributions(name=DISTRIBUTION):
+        if dist.read_text("WHEEL") is not None:
+            return dist
+    raise AmlUsageError(
+        "adasum-lightning is imported but not installed: pip install 'adasum-lightning[aml-v2]' (or, in a "
+        "checkout, pip install -e '.[aml-v2]')"
     )
+
+
+def _installed_tree(dest: Path) -> Path:
+    """Copy the installed adasum_lightning package and its ``.dist-info`` into ``dest`` as an unpacked
+    wheel (what ``wheel pack`` takes)."""
+    dist = _installed_distribution()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    package = dest / "adasum_lightning"
+    shutil.copytree(str(importlib.resources.files("adasum_lightning")), package, ignore=ignore)
+    # An editable install maps the bundled folders from elsewhere in the checkout: put them in place.
+    for name in (EXAMPLE_PACKAGE, HOROVOD_BUILD_PACKAGE):
+        target = dest.joinpath(*name.split("."))
+        shutil.copytree(str(importlib.resources.files(name)), target, ignore=ignore, dirs_exist_ok=True)
+    info = Path(str(dist.locate_file(f"{DISTRIBUTION.replace('-', '_')}-{dist.version}.dist-info")))
+    shutil.copytree(info, dest / info.name, ignore=shutil.ignore_patterns(*_INSTALL_RECORDS))
     return dest
 
 
-def stage_job(job: AmlJob, root: Path) -> StagedJob:
-    """Stage both folders under ``root`` (``root/code``, ``root/image``)."""
-    return StagedJob(stage_code(Path(root) / "code"), stage_build_context(job, Path(root) / "image"))
+def _tree_digest(root: Path, digest) -> None:
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+
+
+def build_wheel(dest: Path) -> tuple[Path, str]:
+    """Build the wheel of the installed adasum-lightning (a checkout's editable install or a wheel install)
+    into ``dest`` with ``wheel pack``; returns the wheel's path and the SHA-256 of its unpacked files.
+
+    Raises:
+        AmlUsageError: adasum-lightning is not installed as a distribution, or the ``wheel`` package is
+            missing (names the pip extra).
+    """
+    with tempfile.TemporaryDirectory(prefix="adasum-wheel-") as tmp:
+        tree = _installed_tree(Path(tmp) / "tree")
+        digest = hashlib.sha256()
+        _tree_digest(tree, digest)
+        dest.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "SOURCE_DATE_EPOCH": _SOURCE_DATE_EPOCH}
+        done = subprocess.run(
+            [sys.executable, "-m", "wheel", "pack", str(tree), "-d", str(dest)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            if "No module named wheel" in done.stderr:
+                raise AmlUsageError(
+                    "building the job's adasum-lightning wheel needs the wheel package: pip install "
+                    "'adasum-lightning[aml-v2]' (or [aml]), which brings it"
+                )
+            raise AmlUsageError(f"wheel pack failed: {done.stderr.strip().splitlines()[-1:]}")
+    wheels = sorted(dest.glob("adasum_lightning-*.whl"))
+    return wheels[-1], digest.hexdigest()
+
+
+def content_version(context_dir: Path, wheel_digest: str) -> str:
+    """The environment version: 16 hex digits of the SHA-256 of the build context's files (Dockerfile with
+    its base image, pins, requirements, patch) with the wheel counted by its unpacked content."""
+    digest = hashlib.sha256(wheel_digest.encode())
+    for path in sorted(p for p in context_dir.rglob("*") if p.is_file() and p.suffix != ".whl"):
+        digest.update(path.relative_to(context_dir).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def stage_build_context(job: AmlJob, dest: Path) -> tuple[Path, str]:
+    """Write the Docker build context into ``dest`` (created); returns it and its :func:`content_version`.
+
+    Raises:
+        AmlUsageError: see :func:`build_wheel`, :func:`package_file`.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    wheel, wheel_digest = build_wheel(dest)
+    (dest / "Dockerfile").write_text(render_dockerfile(job, wheel.name), encoding="utf-8")
+    shutil.copy2(package_file("adasum_lightning", "constraints.txt"), dest / "constraints.txt")
+    requirements = [*IMAGE_EXTRA_REQUIREMENTS, *job.requirements]
+    (dest / "requirements.txt").write_text("\n".join(requirements) + "\n", encoding="utf-8")
+    if job.is_mpi:
+        patches = dest / "patches"
+        patches.mkdir(exist_ok=True)
+        build_dir = Path(str(importlib.resources.files(HOROVOD_BUILD_PACKAGE)))
+        for src in [build_dir / "build_horovod.sh", *sorted(build_dir.glob("horovod-*.patch"))]:
+            shutil.copy2(package_file(HOROVOD_BUILD_PACKAGE, src.name), patches / src.name)
+    return dest, content_version(dest, wheel_digest)
+
+
+def stage_code(job: AmlJob, dest: Path, source_dir: Path | None = None) -> tuple[Path, tuple[str, ...]]:
+    """Write the code snapshot into ``dest`` (created): the source directory's files for a user script,
+    the bundled example otherwise. Returns ``dest`` and the files.
+
+    Raises:
+        AmlUsageError: see :func:`.project.copy_snapshot`.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    if job.script is None:
+        for name in EXAMPLE_FILES:
+            shutil.copy2(package_file(EXAMPLE_PACKAGE, name), dest / name)
+        return dest, EXAMPLE_FILES
+    if source_dir is None:
+        raise AmlUsageError(f"the script {job.script} needs its source directory: pass --source-dir")
+    return dest, tuple(copy_snapshot(Path(source_dir), dest, job.script))
+
+
+def stage_job(job: AmlJob, root: Path, source_dir: Path | None = None) -> StagedJob:
+    """Stage both folders under ``root`` (``root/code``, ``root/image``); no image for a job that uses a
+    registered environment (``job.environment``)."""
+    code_dir, files = stage_code(job, Path(root) / "code", source_dir)
+    if job.environment is not None:
+        return StagedJob(code_dir, None, None, files)
+    context_dir, version = stage_build_context(job, Path(root) / "image")
+    return StagedJob(code_dir, context_dir, version, files)

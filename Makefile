@@ -52,6 +52,26 @@ test-compat: setup
 	@bash .ci/compat.sh $(COMPAT_PL24) "not mpi or compat or compat_oldest"
 	@bash .ci/compat.sh $(COMPAT_LIGHTNING) "not mpi or compat"
 
+.PHONY: gpu-wheel test-gpu-wheel gpu-check
+
+# Horovod 0.28.1 with NCCL (the Azure ML image's build), compiled on this machine without a GPU or a CUDA
+# toolkit: nvcc, CCCL and the CUDA runtime from the registry's wheels at torch's CUDA release, into a scratch
+# folder; cached like the CPU wheel (about 3 minutes on 2 cores when not cached). Not installed into .venv:
+# tests/gpu_wheel.py installs it into a scratch venv and checks it; last line `nccl_built=True <wheel>`.
+gpu-wheel: setup
+	@bash patches/build_horovod.sh --gpu --no-install --python $(PY)
+	@$(PY) tests/gpu_wheel.py
+
+# gpu-wheel, then its tests (tests/test_gpu_wheel.py; they also run in `make test` once the wheel is cached).
+test-gpu-wheel: gpu-wheel
+	@ADASUM_REQUIRE_GPU_WHEEL=1 $(PY) -m pytest -ra -p no:cacheprovider tests/test_gpu_wheel.py tests/test_gpu_check.py
+
+# What one GPU can check (tests/gpu_check.py): the NCCL wheel's import and ops on cuda:0, the strategies at
+# world size 1 on cuda:0, adasum_allreduce on CUDA tensors, sync_batchnorm, bf16/fp16. One line per check;
+# without a GPU each says `skipped: no GPU`. Under 10 minutes on one GPU.
+gpu-check: gpu-wheel
+	@$(PY) tests/gpu_check.py
+
 lint: setup
 	@$(VENV)/bin/ruff check adasum_lightning examples tests benchmarks
 	@$(VENV)/bin/ruff format --check adasum_lightning examples tests benchmarks

@@ -292,17 +292,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(
             f"unrecognized arguments: {' '.join(unknown)} (put training-script arguments after '--')"
         )
-    if getattr(args, "script", None) is None and after and after[0].endswith(".py"):
-        parser.error(
-            f"{after[0]} after '--' would be an argument of the bundled MNIST example: put the script before "
-            f"'--' (adasum-aml submit [--source-dir DIR] {after[0]} -- ARGS)"
-        )
     args.training_args = [*passed, *after]
+    args.first_script_arg = after[0] if after else None
     return args
 
 
 def _check_options(args: argparse.Namespace) -> None:
     """Refuse option combinations that contradict each other (before any file is read)."""
+    first = getattr(args, "first_script_arg", None)
+    if args.script is None and first is not None and first.endswith(".py"):
+        raise AmlUsageError(
+            f"{first} after '--' would be an argument of the bundled MNIST example: put the script before "
+            f"'--' (adasum-aml submit [--source-dir DIR] {first} -- ARGS)"
+        )
     if args.script is None:
         for flag, value in (
             ("--source-dir", args.source_dir),

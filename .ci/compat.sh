@@ -46,6 +46,6 @@ step "environment ready in ${SECONDS}s:" $("$venv/bin/python" -m pip list --disa
 ADASUM_TEST_PACKAGE=$package ADASUM_PLAIN_INSTALL=1 "$venv/bin/python" -m pytest -ra --durations=15 -p no:cacheprovider \
   -m "$markers" \
   tests/test_strategy.py tests/test_validation.py tests/test_compat.py tests/test_packages.py \
-  tests/test_mpi.py tests/test_mpi_hard.py tests/test_crossrank.py tests/test_ddp_adasum.py \
+  tests/test_mpi.py tests/test_mpi_edge_cases.py tests/test_crossrank.py tests/test_ddp_adasum.py \
   tests/test_forms.py tests/test_optimizer.py tests/test_fabric_horovod.py tests/test_uneven.py tests/test_resume.py "$@"
 step "done in ${SECONDS}s"

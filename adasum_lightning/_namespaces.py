@@ -7,12 +7,14 @@ and the unified ``lightning`` package, which carries its own copy as ``lightning
 built on one is rejected by the other's ``Trainer`` ("must be an instance of
 lightning.pytorch.strategies.Strategy").
 
-The strategies are written once, against ``pytorch_lightning``/``lightning_fabric``, in the subpackage
-:mod:`adasum_lightning.pytorch_lightning`. For the unified package the same source files are loaded a second
-time as ``adasum_lightning.lightning`` with the two package names renamed (``pytorch_lightning`` →
-``lightning.pytorch``, ``lightning_fabric`` → ``lightning.fabric``) — the renaming Lightning's own release
-tooling applies when it builds the unified package from the standalone sources. The subpackage uses relative
-imports for its own modules and absolute imports for the package-independent rest of ``adasum_lightning``.
+The strategies are written once, against ``pytorch_lightning``/``lightning_fabric``, in the subpackages
+:mod:`adasum_lightning.trainer` and :mod:`adasum_lightning.fabric`. For the unified package the same source
+files are loaded a second time as ``adasum_lightning.lightning`` (and ``adasum_lightning.lightning.fabric``)
+with the two package names renamed (``pytorch_lightning`` → ``lightning.pytorch``, ``lightning_fabric`` →
+``lightning.fabric``) — the renaming Lightning's own release tooling applies when it builds the unified
+package from the standalone sources. The subpackages use relative imports for their own modules and absolute
+imports for the package-independent rest of ``adasum_lightning``. ``adasum_lightning.pytorch_lightning`` is
+:mod:`adasum_lightning.trainer` under the name of the package it is for (and its old name).
 
 Strategy names are registered lazily: when (and only when) a Lightning package has been imported, the
 matching copy is loaded and its strategies are added to that package's ``StrategyRegistry`` (a post-import
@@ -43,7 +45,7 @@ __all__ = [
     "register_when_imported",
 ]
 
-_SOURCE_PACKAGE = "adasum_lightning.pytorch_lightning"
+_SOURCE_PACKAGE = "adasum_lightning.trainer"
 _MIRROR_PACKAGE = "adasum_lightning.lightning"
 _FABRIC_SOURCE_PACKAGE = "adasum_lightning.fabric"
 _FABRIC_MIRROR_PACKAGE = "adasum_lightning.lightning.fabric"
@@ -51,7 +53,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 #: Mirror package → the source folder it is loaded from, the more specific first.
 _MIRRORS = (
     (_FABRIC_MIRROR_PACKAGE, _PACKAGE_DIR / "fabric"),
-    (_MIRROR_PACKAGE, _PACKAGE_DIR / "pytorch_lightning"),
+    (_MIRROR_PACKAGE, _PACKAGE_DIR / "trainer"),
 )
 
 
@@ -188,7 +190,7 @@ class _MirrorLoader(importlib.abc.SourceLoader):
 
 
 class _MirrorFinder(importlib.abc.MetaPathFinder):
-    """Finds ``adasum_lightning.lightning[.X]`` (the renamed ``adasum_lightning/pytorch_lightning[/X].py``)
+    """Finds ``adasum_lightning.lightning[.X]`` (the renamed ``adasum_lightning/trainer[/X].py``)
     and ``adasum_lightning.lightning.fabric[.X]`` (the renamed ``adasum_lightning/fabric[/X].py``)."""
 
     def find_spec(self, fullname, path=None, target=None):

@@ -53,18 +53,16 @@ __all__ = ["adasum_allreduce", "adasum_allreduce_flat", "release_workspace", "wo
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 #: Elements per float64 work chunk on CPU: two chunks (own, received) of 2 MiB stay in the L2/L3 cache
-#: while their dot products and their combination are computed. Measured 128 Ki–256 Ki best here; smaller
-#: chunks pay the per-op overhead of PyTorch, larger ones fall out of the cache.
+#: while their dot products and their combination are computed; smaller chunks pay PyTorch's per-op
+#: overhead, larger ones fall out of the cache (measurements: docs/adasum_allreduce.md, "Tuning").
 CPU_CHUNK: int = 1 << 18
 #: On other devices (GPU) one chunk is the whole segment, up to this many elements (bounds the float64
 #: scratch memory to 2 × 8 × 2**24 bytes = 256 MiB).
 DEVICE_CHUNK: int = 1 << 24
 #: Buckets with ``bytes × log2(P)`` up to this take the binomial tree (module docstring) instead of the
 #: vector halving: fewer synchronisations, but every level moves whole buckets, one way at a time, and the
-#: arithmetic on the tree's path is ``log2(P)`` whole-bucket combinations. Measured here (2 shared cores,
-#: Gloo over loopback TCP, N = 2, float32, medians of interleaved rounds, tree vs halving): 512 KB 1.5 vs
-#: 2.2–2.5 ms, 4 MB 6.8–7.7 vs 8.0–8.9, 8 MB 12.4–13.3 vs 12.4–14.8, 16 MB 23.6–23.8 vs 22.2–22.4,
-#: 64 MB 93 vs 80. (With 4 processes on the 2 cores the tree stayed ahead up to 16 MB.)
+#: arithmetic on the tree's path is ``log2(P)`` whole-bucket combinations. 8 MB is where the two cost the
+#: same on Gloo over TCP (timings: docs/adasum_allreduce.md, "Tuning").
 TREE_MAX_BYTES: int = 8 << 20
 #: Tensors (parts of tensors) of fewer elements are batched with their neighbours into one chunk and
 #: reduced per tensor with ``segment_reduce``, instead of costing a few PyTorch ops each.
@@ -274,7 +272,7 @@ class _Comm:
         so every rank of the block ends with the identical sum (the coefficients, and hence the result, do
         not depend on which rank computes an element). Chosen over ``all_reduce`` on cached sub-groups:
         ``new_group`` is collective over the whole world (deadlock when ``group`` is itself a sub-group
-        whose non-members never call it) and costs 4–5 ms per group here; the swaps are 1 + … + log2 P
+        whose non-members never call it) and costs milliseconds per group; the swaps are 1 + … + log2 P
         small messages per reduction, like Horovod's per-level MPI_Allreduce.
         """
         step = 1

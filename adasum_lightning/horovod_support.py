@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from torch.optim import Optimizer
@@ -48,8 +49,8 @@ def agree_on_process_group(hvd: Any, environment: Any) -> int:
 
     Args:
         hvd: ``horovod.torch``, initialised.
-        environment: the strategy's ``HorovodEnvironment`` (either Lightning package's), which receives the
-            address, port and node rank.
+        environment: the strategy's ``HorovodEnvironment`` (either Lightning package's), which picks the
+            free port and receives the address, port and node rank.
 
     Returns:
         The number of hosts in the job.
@@ -59,7 +60,11 @@ def agree_on_process_group(hvd: Any, environment: Any) -> int:
             a loopback one (``MASTER_ADDR`` set so, or rank 0's host name resolving so): the other hosts
             could not reach it. The message names ``MASTER_ADDR``.
     """
-    proposal = process_group_address(hvd.size() == hvd.local_size()) if hvd.rank() == 0 else None
+    proposal = (
+        process_group_address(hvd.size() == hvd.local_size(), environment.free_port)
+        if hvd.rank() == 0
+        else None
+    )
     address, port, problem = hvd.broadcast_object(proposal, root_rank=0, name="adasum_lightning.pg_address")
     if problem:
         with validation.reported_on_every_rank(hvd.rank()):
@@ -91,14 +96,17 @@ def check_adasum_world(hvd: Any, device_type: str) -> str | None:
     return None
 
 
-def process_group_address(single_host: bool) -> tuple[str | None, int | None, str | None]:
+def process_group_address(
+    single_host: bool, free_port: Callable[[], int]
+) -> tuple[str | None, int | None, str | None]:
     """On rank 0: (address, port, problem) of the process group beside Horovod.
 
     The address is ``MASTER_ADDR`` when set, else ``127.0.0.1`` when every rank runs on one host, else the
-    address rank 0's host name resolves to; the port is ``MASTER_PORT`` when set, else a free one. ``problem``
-    (address and port None) says why a job on several hosts cannot use a loopback address.
+    address rank 0's host name resolves to; the port is ``MASTER_PORT`` when set, else ``free_port()``
+    (:meth:`HorovodEnvironment.free_port`: Lightning's ``find_free_network_port``). ``problem`` (address and
+    port None) says why a job on several hosts cannot use a loopback address.
     """
-    port = int(os.environ.get("MASTER_PORT") or _free_port())
+    port = int(os.environ.get("MASTER_PORT") or free_port())
     given = os.environ.get("MASTER_ADDR")
     if single_host:
         return given or "127.0.0.1", port, None
@@ -117,14 +125,6 @@ def process_group_address(single_host: bool) -> tuple[str | None, int | None, st
         f"this job spans several hosts, but {where}, which the other hosts cannot reach. {fix} to an "
         "address of rank 0's host that every host can reach (e.g. `mpirun -x MASTER_ADDR=10.0.0.4 ...`).",
     )
-
-
-def _free_port() -> int:
-    # Not Lightning's find_free_network_port: this module imports no Lightning, and that function returns
-    # STANDALONE_PORT when it is set instead of a free port.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def needs_closure(optimizer: Optimizer) -> bool:

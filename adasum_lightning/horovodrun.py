@@ -3,14 +3,14 @@
 Why: in MPI mode ``horovodrun`` ends by replacing itself with ``/bin/sh -c "mpirun …"``
 (``horovod/runner/mpi_run.py``, ``os.execve``; Horovod PR #931). Where ``/bin/sh`` is dash (Debian, Ubuntu)
 the shell stays as ``mpirun``'s parent, and a SIGTERM sent to the process a scheduler started kills only that
-shell: ``mpirun`` and every rank keep training (measured here: still running 90 s later). ``mpirun`` itself
+shell: ``mpirun`` and every rank keep training (docs/launching.md, "Preemption"). ``mpirun`` itself
 does forward SIGTERM to the ranks (SIGCONT, then SIGTERM, then SIGKILL, ``odls_base_sigkill_timeout``
 seconds apart). This wrapper runs ``horovodrun`` as a child and sends each SIGTERM, SIGINT or SIGHUP it gets
 to that child's ``mpirun`` (to ``horovodrun`` itself before it has started one, and under ``--gloo``, where
 Horovod's own launcher handles the signal), then waits for the job and exits with its status.
 
 Usage: ``horovodrun``'s arguments, e.g. ``adasum-horovodrun -np 8 -H host1:4,host2:4 python train.py``.
-It also sets the Open MPI settings of :mod:`adasum_lightning.launch_settings` (as ``OMPI_MCA_*`` variables,
+It also sets the Open MPI settings of :mod:`adasum_lightning.fault_tolerance` (as ``OMPI_MCA_*`` variables,
 unless already set), so that a lost host or a preemption ends the job instead of hanging it.
 """
 
@@ -72,7 +72,7 @@ def _signal_targets(child: int) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``horovodrun`` with ``argv`` and forward termination signals to the job; returns its exit status
     (128 + N when it died of signal N)."""
-    from adasum_lightning.launch_settings import mpi_env
+    from adasum_lightning.fault_tolerance import mpi_env
 
     args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)

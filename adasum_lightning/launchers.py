@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "DetectedLauncher",
+    "detect_launcher",
     "SeenLauncher",
     "seen_launcher",
     "launcher_rank",
@@ -59,7 +61,7 @@ def launcher_local_size() -> int:
 
 
 @dataclass(frozen=True)
-class SeenLauncher:
+class DetectedLauncher:
     """The launcher that started this process, as its environment variables say.
 
     Attributes:
@@ -75,7 +77,7 @@ class SeenLauncher:
     horovod: bool
 
 
-def seen_launcher(environ: Mapping[str, str] | None = None) -> SeenLauncher | None:
+def detect_launcher(environ: Mapping[str, str] | None = None) -> DetectedLauncher | None:
     """The launcher whose variables are set in ``environ`` (default ``os.environ``); None for a plain start.
 
     Checked in this order: ``horovodrun --gloo`` (``HOROVOD_SIZE``), Open MPI (``OMPI_COMM_WORLD_SIZE``),
@@ -105,5 +107,10 @@ def seen_launcher(environ: Mapping[str, str] | None = None) -> SeenLauncher | No
     for name, variable, horovod, applies in candidates:
         processes = size(variable)
         if applies and processes is not None:
-            return SeenLauncher(name, processes, variable, horovod)
+            return DetectedLauncher(name, processes, variable, horovod)
     return None
+
+
+#: The old names of :class:`DetectedLauncher` and :func:`detect_launcher`, kept for existing imports.
+SeenLauncher = DetectedLauncher
+seen_launcher = detect_launcher

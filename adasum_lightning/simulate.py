@@ -73,7 +73,7 @@ from tqdm.auto import tqdm
 
 from adasum_lightning.learning_rate import scale_learning_rates
 from adasum_lightning.ops import adasum_reduce, is_power_of_two
-from adasum_lightning.pytorch_lightning._compat import configure_optimizers, configure_schedulers
+from adasum_lightning.trainer._compat import configure_optimizers, configure_schedulers
 
 __all__ = ["simulate", "evaluate_classifier", "SimulationResult", "scale_learning_rates", "steps_per_epoch"]
 

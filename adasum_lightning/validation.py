@@ -1,12 +1,18 @@
-"""Rules that refuse configurations in which Adasum (Horovod's, ``ddp_adasum``'s) would fail late or silently.
+"""Rules that refuse configurations in which a strategy — ``ddp_adasum`` (Adasum on ``torch.distributed``),
+``horovod_adasum`` (Horovod's Adasum) or ``horovod`` (Horovod's averaging), for the Trainer and for Fabric —
+would fail late, hang or train wrongly.
 
-Each rule is a pure function of plain values, so it can be tested exhaustively without processes; the
+Some rules hold for every strategy (one device per process, no ``SyncBatchNorm`` on CPU, a module not already
+wrapped in ``DistributedDataParallel``, a launcher whose world size matches ``devices × num_nodes``); the rest
+are Horovod's (an MPI launcher, the MPI controller, a power-of-2 world for its Adasum, no in-backward step
+with fp16 scaling, norm clipping or closures). Every message names the strategy in use and the fix. Each
+rule is a pure function of plain values, so it can be tested exhaustively without processes; the
 strategies (Trainer and Fabric) call them while they set up, before any training step. Every rank evaluates
 them on the same (gathered) values, so every rank raises the same :class:`AdasumConfigurationError` and the
 job exits instead of hanging in a collective.
 
-Sources: Horovod 0.28.1 ``horovod/torch/mpi_ops.py`` (CPU Adasum needs a power-of-2 world size),
-``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum:
+Sources for Horovod's rules: Horovod 0.28.1 ``horovod/torch/mpi_ops.py`` (CPU Adasum needs a power-of-2
+world size), ``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum:
 reduce-scatter inside a node, Adasum across nodes, power-of-2 node count, homogeneous nodes),
 ``horovod/common/operations.cc`` (Adasum is registered for MPI only), ``horovod/torch/optimizer.py``
 (the local step runs inside the backward hook; ``gradient_predivide_factor`` needs op=Average).
@@ -21,7 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from adasum_lightning.launchers import SeenLauncher
+from adasum_lightning.launchers import DetectedLauncher
 from adasum_lightning.ops import is_power_of_two
 
 __all__ = [
@@ -153,23 +159,27 @@ def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) 
         )
 
 
-def check_cpu_operations(*, mpi_enabled: bool, cpu_operations: str | None) -> None:
+def check_cpu_operations(
+    *, mpi_enabled: bool, cpu_operations: str | None, strategy_name: str = "a Horovod strategy"
+) -> None:
     """The MPI controller with Gloo CPU operations crashes (both strategies).
 
     Under ``mpirun``/``horovodrun --mpi`` with ``HOROVOD_CPU_OPERATIONS=gloo`` Horovod's Gloo collectives
-    segfault (seen here in the first broadcast; an Adasum allreduce still runs over MPI, then the next
-    allgather crashes). Gloo operations need the Gloo controller.
+    segfault (in the first broadcast, or after an Adasum allreduce over MPI in the next allgather). Gloo
+    operations need the Gloo controller.
 
     Args:
         mpi_enabled: ``hvd.mpi_enabled()`` (the MPI controller is in use).
         cpu_operations: the ``HOROVOD_CPU_OPERATIONS`` environment variable (None when unset).
+        strategy_name: the strategy's registered name, for the message.
 
     Raises:
         AdasumConfigurationError: MPI controller with ``HOROVOD_CPU_OPERATIONS=gloo``.
     """
     if mpi_enabled and cpu_operations is not None and cpu_operations.strip().lower() == "gloo":
         raise AdasumConfigurationError(
-            "HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (mpirun / horovodrun --mpi): Horovod's "
+            f"{strategy_name} cannot run with HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (mpirun / "
+            "horovodrun --mpi): Horovod's "
             "Gloo collectives crash there (segmentation fault). Unset HOROVOD_CPU_OPERATIONS (or set it to "
             "mpi), or launch with horovodrun --gloo and strategy='horovod'."
         )
@@ -261,7 +271,11 @@ def check_module_unwrapped(strategy_name: str, wrapped_in_ddp: bool) -> None:
 
 
 def check_launch(
-    horovod_size: int, launcher: SeenLauncher | None, requested_devices: int, api: str = "Trainer"
+    horovod_size: int,
+    launcher: DetectedLauncher | None,
+    requested_devices: int,
+    api: str = "Trainer",
+    strategy_name: str = "a Horovod strategy",
 ) -> None:
     """A Horovod strategy in a process that Horovod sees alone, though more were meant to train together.
 
@@ -271,7 +285,7 @@ def check_launch(
 
     Args:
         horovod_size: ``hvd.size()``.
-        launcher: :func:`adasum_lightning.launchers.seen_launcher` (None for a plain start).
+        launcher: :func:`adasum_lightning.launchers.detect_launcher` (None for a plain start).
         requested_devices: the number of devices the ``Trainer`` (or ``Fabric``) was given (``devices=N``).
         api: ``"Trainer"`` or ``"Fabric"``, in the message.
 
@@ -285,7 +299,7 @@ def check_launch(
         raise AdasumConfigurationError(
             f"{launcher.name} started {launcher.processes} processes "
             f"({launcher.variable}={launcher.processes}), but Horovod sees a world of 1 in each, so each "
-            "would train alone. Horovod strategies need an MPI "
+            f"would train alone. {strategy_name} needs an MPI "
             f"launcher: `horovodrun -np {launcher.processes} python SCRIPT ...` (or `mpirun -np "
             f"{launcher.processes} ...`), or use strategy='ddp_adasum', which {launcher.name} can start."
         )
@@ -294,7 +308,7 @@ def check_launch(
         raise AdasumConfigurationError(
             f"{api}(devices={requested_devices}) asks for {requested_devices} devices, but this process "
             "was "
-            f"started by {seen} and Horovod sees a world of 1; Horovod strategies never start processes "
+            f"started by {seen} and Horovod sees a world of 1; {strategy_name} never starts processes "
             f"themselves. Launch `horovodrun -np {requested_devices} python SCRIPT ...` with devices=1 (one "
             "process per device), or use strategy='ddp_adasum', which starts the processes itself."
         )
@@ -346,7 +360,9 @@ def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[
         )
 
 
-def check_sync_batchnorm(device_type: str, requested: bool, sync_layers: Sequence[str]) -> None:
+def check_sync_batchnorm(
+    device_type: str, requested: bool, sync_layers: Sequence[str], strategy_name: str = "this strategy"
+) -> None:
     """Synchronised batch norm needs an accelerator: torch's ``SyncBatchNorm`` refuses CPU tensors.
 
     Under DDP the statistics of ``SyncBatchNorm`` layers are synchronised over the process group; on CPU
@@ -357,6 +373,7 @@ def check_sync_batchnorm(device_type: str, requested: bool, sync_layers: Sequenc
         device_type: the device the module is on.
         requested: ``Trainer(sync_batchnorm=True)``.
         sync_layers: names of the module's ``SyncBatchNorm`` layers (converted by the user).
+        strategy_name: the strategy's registered name, for the message.
 
     Raises:
         AdasumConfigurationError: synchronised batch norm on CPU.
@@ -368,7 +385,8 @@ def check_sync_batchnorm(device_type: str, requested: bool, sync_layers: Sequenc
             else f"SyncBatchNorm layers ({', '.join(sync_layers)})"
         )
         raise AdasumConfigurationError(
-            f"{what} on CPU: torch's SyncBatchNorm runs on GPUs only (it raises in the first forward pass). "
+            f"{strategy_name} cannot use {what} on CPU: torch's SyncBatchNorm runs on GPUs only (it raises "
+            "in the first forward pass). "
             "Train on GPUs (accelerator='gpu') to synchronise the statistics, or leave sync_batchnorm off "
             "and keep plain BatchNorm: then each rank keeps its own running statistics (checkpoints hold "
             "rank 0's)."
@@ -376,7 +394,11 @@ def check_sync_batchnorm(device_type: str, requested: bool, sync_layers: Sequenc
 
 
 def check_launcher_world_size(
-    launcher_world_size: int, devices: int, num_nodes: int, api: str = "Trainer"
+    launcher_world_size: int,
+    devices: int,
+    num_nodes: int,
+    api: str = "Trainer",
+    strategy_name: str = "ddp_adasum",
 ) -> None:
     """The processes a launcher started must be the ``Trainer``'s (or ``Fabric``'s) ``devices × num_nodes``.
 
@@ -390,7 +412,8 @@ def check_launcher_world_size(
     """
     if launcher_world_size != devices * num_nodes:
         raise AdasumConfigurationError(
-            f"the launcher started {launcher_world_size} processes (WORLD_SIZE={launcher_world_size}), but "
+            f"{strategy_name}: the launcher started {launcher_world_size} processes "
+            f"(WORLD_SIZE={launcher_world_size}), but "
             f"the {api} describes devices={devices} × num_nodes={num_nodes} = {devices * num_nodes}. Set "
             f"{api}(devices=<processes per node>, num_nodes=<nodes>) to match the launch."
         )
@@ -430,16 +453,17 @@ def reported_on_every_rank(rank: int) -> Iterator[None]:
         raise
 
 
-def check_uneven_inputs(value: str) -> str:
-    """A strategy's ``uneven_inputs``: ``"truncate"`` or ``"error"`` (:mod:`adasum_lightning.uneven`).
+def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:
+    """A strategy's (or ``EvenBatches``') ``uneven_inputs``: ``"truncate"`` or ``"error"``
+    (:mod:`adasum_lightning.uneven`); ``owner`` names it in the message.
 
     Raises:
         ValueError: anything else, naming the two values.
     """
     if value not in ("truncate", "error"):
         raise ValueError(
-            "uneven_inputs must be 'truncate' (every rank stops an epoch at the shortest rank's batch count) "
-            f"or 'error' (refuse uneven batch counts), got {value!r}"
+            f"{owner}'s uneven_inputs must be 'truncate' (every rank stops an epoch at the shortest rank's "
+            f"batch count) or 'error' (refuse uneven batch counts), got {value!r}"
         )
     return value
 

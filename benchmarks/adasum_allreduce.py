@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from pathlib import Path
 import horovod.torch as hvd
 import torch
 import torch.distributed as dist
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
 import adasum_lightning.allreduce as ar
 
@@ -35,11 +35,7 @@ OPS = ("ours", "horovod_adasum", "gloo_sum")
 
 def init_gloo_beside_horovod() -> None:
     """A Gloo process group of Horovod's ranks (FIELD_NOTES §9: works next to Horovod's MPI)."""
-    port = 0
-    if hvd.rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    port = find_free_network_port() if hvd.rank() == 0 else 0
     port = hvd.broadcast_object(port, root_rank=0, name="gloo_port")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=hvd.rank(), world_size=hvd.size()

@@ -13,7 +13,7 @@ import resource
 import sys
 from pathlib import Path
 
-from adasum_lightning.launchers import launcher_rank, seen_launcher
+from adasum_lightning.launchers import detect_launcher, launcher_rank
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     from examples.mnist import main as example_main
 
     example_main(sys.argv[2:])
-    seen = seen_launcher()
+    seen = detect_launcher()
     # Lightning's launcher gives its children LOCAL_RANK (one node here); its first process has nothing set
     rank = launcher_rank() if seen and seen.horovod else int(os.environ.get("LOCAL_RANK") or 0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torchmetrics
 
-from adasum_lightning.launchers import SeenLauncher
+from adasum_lightning.launchers import DetectedLauncher
 from adasum_lightning.validation import (
     check_closure_optimizers,
     check_horovod_dtypes,
@@ -67,7 +67,7 @@ def test_sync_batchnorm_on_cpu_is_refused_before_any_step(strategy, how, tmp_pat
     proc = crossrank(tmp_path, "batchnorm", strategy, how, check=False)
     assert proc.returncode != 0
     layers = [] if how == "--sync-batchnorm" else ["bn"]
-    message = expected_message(check_sync_batchnorm, "cpu", how == "--sync-batchnorm", layers)
+    message = expected_message(check_sync_batchnorm, "cpu", how == "--sync-batchnorm", layers, strategy)
     assert_every_rank_says(proc, 2, message)
     assert_refused_before_any_step(tmp_path)
 
@@ -271,7 +271,13 @@ def test_torchrun_is_refused_on_every_process_naming_horovodrun(tmp_path):
     ]
     proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
-    message = expected_message(check_launch, 1, SeenLauncher("torchrun", 2, "WORLD_SIZE", False), 1)
+    message = expected_message(
+        check_launch,
+        1,
+        DetectedLauncher("torchrun", 2, "WORLD_SIZE", False),
+        1,
+        strategy_name="horovod_adasum",
+    )
     assert "torchrun started 2 processes" in message and "horovodrun -np 2" in message
     out = proc.stdout + proc.stderr
     assert out.count(f"AdasumConfigurationError on rank 0: {message}") == 2, out[
@@ -296,7 +302,7 @@ def test_devices_two_in_a_plain_process_is_refused(strategy, tmp_path):
     ]
     proc = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    message = expected_message(check_launch, 1, None, 2)
+    message = expected_message(check_launch, 1, None, 2, strategy_name=strategy)
     assert "no launcher (a plain `python` start)" in message and "horovodrun -np 2" in message
     assert f"AdasumConfigurationError on rank 0: {message}" in TAG.sub("", proc.stderr), proc.stderr[-3000:]
     assert_refused_before_any_step(tmp_path, np=1)

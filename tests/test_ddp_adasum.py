@@ -6,7 +6,6 @@ checks every rank against a reference computed here in one process.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
 from adasum_lightning.ops import adasum, adasum_reduce
 from adasum_lightning.validation import check_launcher_world_size
@@ -105,7 +105,7 @@ def test_srun_tasks_train_through_lightnings_slurm_environment(tmp_path):
     # Two processes started the way `srun --ntasks-per-node=2` starts them: SLURM's variables only (no RANK,
     # WORLD_SIZE or MASTER_ADDR). Lightning's SLURMEnvironment gives the ranks and the address (the first
     # host of SLURM_NODELIST); MASTER_PORT is set as a batch script would, so that runs cannot collide.
-    port = _free_port()
+    port = find_free_network_port()
     slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
              "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
              "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}  # fmt: skip
@@ -270,9 +270,3 @@ def test_a_world_size_that_the_trainer_does_not_describe_is_refused(tmp_path):
     for rank, (returncode, out) in enumerate(results):
         assert returncode != 0
         assert f"AdasumConfigurationError on rank {rank}: {message}" in out, out[-3000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -112,6 +112,25 @@ def test_two_processes_reach_95_percent_in_three_epochs(strategy, mnist_root, tm
     assert epochs == ["0", "1", "2"]
 
 
+@pytest.mark.mpi
+def test_torchrun_starts_the_example_with_ddp_adasum(mnist_root, tmp_path):
+    # docs/launching.md's one-node torchrun line, a few batches: torchrun starts the processes, Lightning's
+    # TorchElasticEnvironment gives the ranks, and the example trains and validates with ddp_adasum.
+    if mnist_root is None:
+        pytest.skip("MNIST is absent and could not be downloaded")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "examples/mnist.py", "fit",
+           "--config", "examples/mnist.yaml", "--trainer.strategy=ddp_adasum", "--trainer.devices=2",
+           f"--data.data_dir={mnist_root}", f"--trainer.default_root_dir={tmp_path}",
+           "--trainer.max_epochs=1", "--trainer.limit_train_batches=8", "--trainer.limit_val_batches=2",
+           "--trainer.enable_progress_bar=false"]  # fmt: skip
+    proc = run_job(cmd, plain_env(), timeout=300)
+    found = re.findall(r"val_acc=([0-9.]+)", proc.stdout)
+    assert len(found) == 1, proc.stdout[-2000:]  # printed once, by rank 0
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "val_acc" in metrics.splitlines()[0]
+
+
 def test_cli_names_an_unreadable_checkpoint(tmp_path):
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(b"garbage")

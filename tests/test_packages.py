@@ -30,11 +30,7 @@ def _package_param(package: str):
 
 def copy_for(package: str) -> str:
     """This project's copy of the strategies for a Lightning package."""
-    return (
-        "adasum_lightning.lightning"
-        if package == "lightning.pytorch"
-        else "adasum_lightning.pytorch_lightning"
-    )
+    return "adasum_lightning.lightning" if package == "lightning.pytorch" else "adasum_lightning.trainer"
 
 
 def check_fit(ranks: list[dict], package: str, strategy_class: str, np: int = 2) -> None:
@@ -174,7 +170,7 @@ def test_the_mirror_is_the_same_source_with_the_package_names_renamed():
     pytest.importorskip("lightning")
     import adasum_lightning.lightning.horovod as mirrored
 
-    import adasum_lightning.pytorch_lightning.horovod as source
+    import adasum_lightning.trainer.horovod as source
 
     assert mirrored.__file__ == source.__file__  # tracebacks point at the real file
     assert mirrored.HorovodStrategy is not source.HorovodStrategy
@@ -217,3 +213,54 @@ def test_plain_install_imports_and_fits_without_the_examples_extra(tmp_path):
     assert "site-packages" in installed and not installed.startswith(str(ROOT / "adasum_lightning"))
     assert lines[1] == "None None"  # no torchvision, no jsonargparse: the examples extra is not installed
     assert lines[2:] == ["ddp_adasum 2 True", "horovod_adasum 2 True", "horovod 2 True"]
+
+
+def test_the_old_module_and_function_names_still_import():
+    # Renamed for readers (adasum_lightning.trainer, fault_tolerance, detect_launcher); the old import paths
+    # are thin aliases of the same objects.
+    import adasum_lightning.fault_tolerance as fault_tolerance
+    import adasum_lightning.launch_settings as launch_settings
+    import adasum_lightning.pytorch_lightning as old_trainer
+    import adasum_lightning.pytorch_lightning.ddp_adasum as old_ddp_adasum
+    import adasum_lightning.pytorch_lightning.horovod as old_horovod
+    import adasum_lightning.trainer as trainer
+    from adasum_lightning import launchers
+
+    assert launch_settings.mpi_env is fault_tolerance.mpi_env
+    assert launch_settings.DDP_PROCESS_GROUP_TIMEOUT == fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT
+    assert launchers.seen_launcher is launchers.detect_launcher
+    assert launchers.SeenLauncher is launchers.DetectedLauncher
+    for name in trainer.__all__:
+        assert getattr(old_trainer, name) is getattr(trainer, name)
+    assert old_ddp_adasum.DDPAdasumStrategy is trainer.DDPAdasumStrategy
+    assert old_horovod.HorovodAdasumStrategy is trainer.HorovodAdasumStrategy
+
+
+@pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
+def test_lightnings_own_errors_are_the_ones_docs_limits_quotes(package):
+    # docs/limits.md, "Lightning's own errors": the name unknown without `import adasum_lightning`, and a
+    # strategy object of the other Lightning package (Lightning's wording, checked on every tested release).
+    other = "adasum_lightning.lightning" if package == "pytorch_lightning" else "adasum_lightning.trainer"
+    code = (
+        f"import importlib\npl = importlib.import_module({package!r})\n"
+        "def fails(**kwargs):\n"
+        "    try:\n        pl.Trainer(accelerator='cpu', **kwargs)\n"
+        "    except ValueError as err:\n        print(str(err).split(' Example choices')[0])\n"
+        "fails(strategy='ddp_adasum')\n"
+        "import adasum_lightning\n"
+        "pl.Trainer(strategy='ddp_adasum', accelerator='cpu')\n"
+        f"if importlib.util.find_spec('lightning'):\n"
+        f"    fails(strategy=importlib.import_module({other!r}).DDPAdasumStrategy())\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == (
+        "You selected an invalid strategy name: `strategy='ddp_adasum'`. It must be either a string or an "
+        f"instance of `{package}.strategies.Strategy`."
+    )
+    if HAS_LIGHTNING:
+        assert lines[1].startswith("You selected an invalid strategy name: `strategy=<adasum_lightning.")
+        assert lines[1].endswith(
+            f"It must be either a string or an instance of `{package}.strategies.Strategy`."
+        )

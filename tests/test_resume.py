@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adasum_lightning.pytorch_lightning._base import RANK_OPTIMIZER_STATES, rank_optimizer_path
+from adasum_lightning.trainer._base import RANK_OPTIMIZER_STATES, rank_optimizer_path
 from adasum_lightning.validation import scaled_learning_rate_message
 from tests.helpers import assert_ranks_identical, load_ranks, run_horovod, run_lightning
 

@@ -2,7 +2,7 @@
 
 Horovod (``horovodrun``/``mpirun``, the MNIST example under ``horovod_adasum``) with even and uneven
 placement, torchrun with ``ddp_adasum``, and a host lost
-in the middle of training for both launchers, with the settings of ``adasum_lightning.launch_settings``.
+in the middle of training for both launchers, with the settings of ``adasum_lightning.fault_tolerance``.
 Every rank's view is checked. Root only (skipped elsewhere, with the reason).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adasum_lightning.launch_settings import (
+from adasum_lightning.fault_tolerance import (
     DDP_PROCESS_GROUP_TIMEOUT,
     MPI_FAULT_SETTINGS,
     TCP_RETRIES2,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from adasum_lightning.uneven import uneven_message
+from adasum_lightning.uneven import EvenBatches, uneven_message
 from tests.helpers import assert_ranks_identical, load_ranks, run_horovod, run_lightning, run_torchrun
 from tests.workers.samples import IndexedData
 
@@ -76,5 +76,9 @@ def test_even_batches_error_in_a_plain_loop(tmp_path):
 def test_uneven_inputs_must_be_truncate_or_error():
     from tests.workers.lightning import DDPAdasumStrategy
 
-    with pytest.raises(ValueError, match=r"uneven_inputs must be 'truncate' .* or 'error' .*, got 'drop'"):
+    with pytest.raises(
+        ValueError, match=r"^ddp_adasum's uneven_inputs must be 'truncate' .* or 'error' .*, got 'drop'"
+    ):
         DDPAdasumStrategy(uneven_inputs="drop")
+    with pytest.raises(ValueError, match=r"^EvenBatches's uneven_inputs must be"):
+        EvenBatches([1, 2], uneven_inputs="drop")

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from adasum_lightning.launchers import SeenLauncher, seen_launcher
+from adasum_lightning.launchers import DetectedLauncher, detect_launcher
 from adasum_lightning.ops import is_power_of_two
 from adasum_lightning.validation import (
     AdasumConfigurationError,
@@ -176,7 +176,7 @@ def test_module_wrapped_in_ddp_is_refused_naming_the_fix():
 def test_horovod_missing_names_make_setup():
     code = (
         "import sys; sys.modules['horovod.torch'] = None\n"
-        "from adasum_lightning.pytorch_lightning.horovod import import_horovod\n"
+        "from adasum_lightning.trainer.horovod import import_horovod\n"
         "try:\n    import_horovod()\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run(
@@ -251,8 +251,8 @@ def test_checkpoint_without_state_dict_is_refused(tmp_path):
         ({"WORLD_SIZE": "3", "LOCAL_RANK": "0"}, ("a torch.distributed launcher", 3, False)),
     ],
 )
-def test_seen_launcher(environ, expected):
-    seen = seen_launcher(environ)
+def test_detect_launcher(environ, expected):
+    seen = detect_launcher(environ)
     if expected is None:
         assert seen is None
     else:
@@ -260,11 +260,12 @@ def test_seen_launcher(environ, expected):
 
 
 def test_launch_rule_names_the_launcher_and_horovodrun():
-    check_launch(4, SeenLauncher("mpirun / horovodrun (Open MPI)", 4, "OMPI_COMM_WORLD_SIZE", True), 1)
+    check_launch(4, DetectedLauncher("mpirun / horovodrun (Open MPI)", 4, "OMPI_COMM_WORLD_SIZE", True), 1)
     check_launch(1, None, 1)  # a plain one-process run
     with pytest.raises(AdasumConfigurationError) as info:
-        check_launch(1, SeenLauncher("torchrun", 3, "WORLD_SIZE", False), 1)
+        check_launch(1, DetectedLauncher("torchrun", 3, "WORLD_SIZE", False), 1, strategy_name="horovod")
     message = str(info.value)
+    assert "horovod needs an MPI launcher" in message
     assert message.startswith("torchrun started 3 processes (WORLD_SIZE=3), but Horovod sees a world of 1")
     assert "`horovodrun -np 3 python SCRIPT ...`" in message and "strategy='ddp_adasum'" in message
     with pytest.raises(
@@ -285,12 +286,14 @@ def test_closure_dtype_batchnorm_and_world_size_rules():
         check_horovod_dtypes("horovod", "cpu", {torch.bfloat16})
     check_sync_batchnorm("cuda", True, ["bn"])
     check_sync_batchnorm("cpu", False, [])
-    with pytest.raises(AdasumConfigurationError, match=r"SyncBatchNorm layers \(bn, head.bn\) on CPU"):
-        check_sync_batchnorm("cpu", False, ["bn", "head.bn"])
+    with pytest.raises(
+        AdasumConfigurationError, match=r"^ddp_adasum cannot use SyncBatchNorm layers \(bn, head.bn\) on CPU"
+    ):
+        check_sync_batchnorm("cpu", False, ["bn", "head.bn"], "ddp_adasum")
     check_launcher_world_size(8, 4, 2)
     with pytest.raises(
         AdasumConfigurationError, match=r"WORLD_SIZE=8\), but the Trainer describes devices=4 × num_nodes=1"
     ):
         check_launcher_world_size(8, 4, 1)
-    with pytest.raises(AdasumConfigurationError, match=r"Set Fabric\(devices=<processes per node>"):
+    with pytest.raises(AdasumConfigurationError, match=r"^ddp_adasum: .* Set Fabric\(devices=<processes per"):
         check_launcher_world_size(8, 4, 1, api="Fabric")

@@ -104,7 +104,11 @@ class DDPAdasumStrategy(DDPStrategy):
             with reported_on_every_rank(self.global_rank):
                 # before the rendezvous, which a mismatch would leave waiting
                 validation.check_launcher_world_size(
-                    int(os.environ["WORLD_SIZE"]), self.num_processes, self.num_nodes, api="Fabric"
+                    int(os.environ["WORLD_SIZE"]),
+                    self.num_processes,
+                    self.num_nodes,
+                    api="Fabric",
+                    strategy_name=self.strategy_name,
                 )
         super().setup_environment()
 
@@ -115,7 +119,7 @@ class DDPAdasumStrategy(DDPStrategy):
             validation.check_module_unwrapped(self.strategy_name, isinstance(module, DistributedDataParallel))
             validation.check_single_device(self.strategy_name, [*module.parameters(), *module.buffers()])
             sync_layers = [name for name, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
-            validation.check_sync_batchnorm(self.root_device.type, False, sync_layers)
+            validation.check_sync_batchnorm(self.root_device.type, False, sync_layers, self.strategy_name)
         for param in module.parameters():
             if not param.data.is_contiguous():
                 param.data = param.data.contiguous()  # the reduction works on parameters in place

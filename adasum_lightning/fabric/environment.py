@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 
 from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from typing_extensions import override
 
 from adasum_lightning.launchers import (
+    detect_launcher,
     launcher_local_rank,
     launcher_local_size,
     launcher_rank,
     launcher_world_size,
-    seen_launcher,
 )
 
 __all__ = ["HorovodEnvironment"]
@@ -65,6 +66,12 @@ class HorovodEnvironment(ClusterEnvironment):
             return self._main_port
         return int(os.environ.get("MASTER_PORT", 0))
 
+    @staticmethod
+    def free_port() -> int:
+        """A free TCP port on this host for rank 0's store: Lightning's ``find_free_network_port`` (which
+        returns ``STANDALONE_PORT`` when that is set)."""
+        return find_free_network_port()
+
     def set_main_address_and_port(self, address: str, port: int) -> None:
         """Where rank 0 hosts the process group's TCP store (set by the strategy after ``hvd.init()``)."""
         self._main_address, self._main_port = address, int(port)
@@ -72,7 +79,7 @@ class HorovodEnvironment(ClusterEnvironment):
     @staticmethod
     @override
     def detect() -> bool:
-        launcher = seen_launcher()
+        launcher = detect_launcher()
         return launcher is not None and launcher.horovod
 
     @override

@@ -1,7 +1,7 @@
 """``Fabric(strategy="horovod_adasum")`` and ``Fabric(strategy="horovod")``: Horovod's optimizer in Fabric.
 
 The Fabric counterparts of the Trainer's Horovod strategies
-(:mod:`adasum_lightning.pytorch_lightning.horovod`): processes are started by ``horovodrun`` / ``mpirun``,
+(:mod:`adasum_lightning.trainer.horovod`): processes are started by ``horovodrun`` / ``mpirun``,
 each optimizer is wrapped in ``hvd.DistributedOptimizer`` (``op=hvd.Adasum`` or ``hvd.Average``), and a
 ``torch.distributed`` process group over Horovod's ranks carries Fabric's own collectives (``all_gather``,
 ``all_reduce``, ``broadcast``, ``barrier``) and the ``DistributedSampler``.
@@ -34,7 +34,7 @@ from adasum_lightning.horovod_support import (
     import_horovod,
     needs_closure,
 )
-from adasum_lightning.launchers import launcher_rank, seen_launcher
+from adasum_lightning.launchers import detect_launcher, launcher_rank
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.step import broadcast_from_rank_zero
 from adasum_lightning.validation import reported_on_every_rank
@@ -184,7 +184,13 @@ class HorovodStrategy(DDPStrategy):
         hvd.init()
         with reported_on_every_rank(hvd.rank()):
             # before the first collective: a bad launch can crash or hang in one
-            validation.check_launch(hvd.size(), seen_launcher(), self._requested_devices, api="Fabric")
+            validation.check_launch(
+                hvd.size(),
+                detect_launcher(),
+                self._requested_devices,
+                api="Fabric",
+                strategy_name=self.strategy_name,
+            )
             self._validate_environment()
         environment = self.cluster_environment
         assert isinstance(environment, HorovodEnvironment)
@@ -194,7 +200,9 @@ class HorovodStrategy(DDPStrategy):
     def _validate_environment(self) -> None:
         """Rules on the launch (and, under Adasum, the precision), checked right after ``hvd.init()``."""
         validation.check_cpu_operations(
-            mpi_enabled=self.hvd.mpi_enabled(), cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS")
+            mpi_enabled=self.hvd.mpi_enabled(),
+            cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS"),
+            strategy_name=self.strategy_name,
         )
 
     @override
@@ -207,7 +215,7 @@ class HorovodStrategy(DDPStrategy):
             validation.check_module_unwrapped(self.strategy_name, isinstance(module, DistributedDataParallel))
             validation.check_single_device(self.strategy_name, [*module.parameters(), *module.buffers()])
             sync_layers = [name for name, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
-            validation.check_sync_batchnorm(self.root_device.type, False, sync_layers)
+            validation.check_sync_batchnorm(self.root_device.type, False, sync_layers, self.strategy_name)
             validation.check_horovod_dtypes(
                 self.strategy_name,
                 self.root_device.type,

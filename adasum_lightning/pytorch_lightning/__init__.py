@@ -1,37 +1,5 @@
-"""The strategies for ``pytorch_lightning.Trainer`` (and, loaded as ``adasum_lightning.lightning``, for
-``lightning.pytorch.Trainer``; see :mod:`adasum_lightning._namespaces`).
+"""The old name of :mod:`adasum_lightning.trainer` (the strategies for ``pytorch_lightning.Trainer``), kept so
+that ``from adasum_lightning.pytorch_lightning import DDPAdasumStrategy`` goes on working."""
 
-This subpackage imports ``pytorch_lightning``/``lightning_fabric`` by name and its own modules relatively:
-its copy for the unified package is the same files with those two names renamed.
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-from pytorch_lightning.strategies import StrategyRegistry
-
-from adasum_lightning.fabric.environment import HorovodEnvironment
-
-from .ddp_adasum import DDPAdasumStrategy
-from .horovod import HorovodAdasumStrategy, HorovodStrategy
-
-__all__ = [
-    "DDPAdasumStrategy",
-    "HorovodAdasumStrategy",
-    "HorovodEnvironment",
-    "HorovodStrategy",
-    "register_strategies",
-]
-
-#: The strategies ``import adasum_lightning`` registers, by name.
-STRATEGIES = (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy)
-
-
-def register_strategies(strategy_registry: Any) -> None:
-    """Add ``horovod_adasum``, ``horovod`` and ``ddp_adasum`` to a Lightning ``StrategyRegistry``."""
-    for strategy in STRATEGIES:
-        strategy.register_strategies(strategy_registry)
-
-
-register_strategies(StrategyRegistry)
+from adasum_lightning.trainer import *  # noqa: F401,F403
+from adasum_lightning.trainer import STRATEGIES, __all__, register_strategies  # noqa: F401

@@ -15,7 +15,6 @@ Every rank writes ``OUT_DIR/rank{r}.pt``; the tests compute the expected values 
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,14 +134,11 @@ def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
 
 def horovod(out_dir: Path) -> None:
     import horovod.torch as hvd
+    from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    port = 0
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    port = find_free_network_port() if rank == 0 else 0
     port = hvd.broadcast_object(port, root_rank=0, name="gloo_port")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     inputs = {str(dt): cases(rank, dt) for dt in (torch.float32, torch.float64)}

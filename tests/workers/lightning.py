@@ -18,7 +18,7 @@ callbacks = importlib.import_module(f"{PACKAGE}.callbacks")
 strategies = importlib.import_module(f"{PACKAGE}.strategies")
 #: This project's strategy classes for that package.
 adasum_strategies = importlib.import_module(
-    "adasum_lightning.pytorch_lightning" if PACKAGE == "pytorch_lightning" else "adasum_lightning.lightning"
+    "adasum_lightning.trainer" if PACKAGE == "pytorch_lightning" else "adasum_lightning.lightning"
 )
 
 import adasum_lightning  # noqa: E402,F401  (registers the strategy names)

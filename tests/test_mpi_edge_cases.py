@@ -56,7 +56,9 @@ def test_gloo_cpu_operations_under_mpi_are_refused(strategy, tmp_path, monkeypat
     monkeypatch.setenv("HOROVOD_CPU_OPERATIONS", "gloo")
     proc = run_horovod(2, "fit", str(tmp_path), "--strategy", strategy, check=False, timeout=120)
     assert proc.returncode != 0
-    message = expected_message(check_cpu_operations, mpi_enabled=True, cpu_operations="gloo")
+    message = expected_message(
+        check_cpu_operations, mpi_enabled=True, cpu_operations="gloo", strategy_name=strategy
+    )
     assert_every_rank_says(proc, 2, message)
 
 

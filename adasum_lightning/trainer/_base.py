@@ -116,7 +116,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.lr_scaling = check_lr_scaling(lr_scaling)
-        self.uneven_inputs = validation.check_uneven_inputs(uneven_inputs)
+        self.uneven_inputs = validation.check_uneven_inputs(uneven_inputs, self.strategy_name)
         self._uneven_warned = False
         self._checkpoint_path: Any = None
         self._resumed_lr_factor: float | None = None
@@ -204,7 +204,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         other ranks take that broadcast at their next training batch (then a barrier), and everyone stops
         at the same step. The signal can arrive while the other ranks wait for rank 0 in the update
         reduction (Horovod's allreduce, or the Adasum exchange): rank 0 then blocks in the broadcast and
-        they in the reduction (seen here: both still waiting 90 s later). Here the handler only records
+        they in the reduction, for good. Here the handler only records
         the signal; :meth:`_deliver_pending_sigterm` runs Lightning's handler once the step's reduction is
         complete, where the other ranks' next collectives are that broadcast and barrier (unless a callback
         adds one in between, as under DDP).
@@ -235,7 +235,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         assert self.model is not None
         sync_layers = [name for name, m in self.model.named_modules() if isinstance(m, SyncBatchNorm)]
         requested = _compat.layer_sync(self) is not None
-        validation.check_sync_batchnorm(self.root_device.type, requested, sync_layers)
+        validation.check_sync_batchnorm(self.root_device.type, requested, sync_layers, self.strategy_name)
 
     @override
     def configure_ddp(self) -> None:

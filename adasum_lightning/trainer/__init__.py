@@ -1,0 +1,37 @@
+"""The strategies for ``pytorch_lightning.Trainer`` (and, loaded as ``adasum_lightning.lightning``, for
+``lightning.pytorch.Trainer``; see :mod:`adasum_lightning._namespaces`).
+
+This subpackage imports ``pytorch_lightning``/``lightning_fabric`` by name and its own modules relatively:
+its copy for the unified package is the same files with those two names renamed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytorch_lightning.strategies import StrategyRegistry
+
+from adasum_lightning.fabric.environment import HorovodEnvironment
+
+from .ddp_adasum import DDPAdasumStrategy
+from .horovod import HorovodAdasumStrategy, HorovodStrategy
+
+__all__ = [
+    "DDPAdasumStrategy",
+    "HorovodAdasumStrategy",
+    "HorovodEnvironment",
+    "HorovodStrategy",
+    "register_strategies",
+]
+
+#: The strategies ``import adasum_lightning`` registers, by name.
+STRATEGIES = (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy)
+
+
+def register_strategies(strategy_registry: Any) -> None:
+    """Add ``horovod_adasum``, ``horovod`` and ``ddp_adasum`` to a Lightning ``StrategyRegistry``."""
+    for strategy in STRATEGIES:
+        strategy.register_strategies(strategy_registry)
+
+
+register_strategies(StrategyRegistry)

@@ -12,13 +12,13 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo demo-ddp test test-compat lint bench bench-quick clean
+.PHONY: setup demo demo-ddp test test-compat lint docs bench bench-quick clean
 
 setup:
 	@bash .ci/setup.sh "$(PYTHON)" "$(VENV)"
 
 # adasum-horovodrun: horovodrun plus the Open MPI settings that end a job whose host is lost, and SIGTERM
-# passed on to the ranks (adasum_lightning/horovodrun.py, adasum_lightning/launch_settings.py).
+# passed on to the ranks (adasum_lightning/horovodrun.py, adasum_lightning/fault_tolerance.py).
 demo: setup
 	@echo "[demo] $(NP) MPI processes, horovod_adasum, 3 epochs on MNIST from $(DATA_DIR)"
 	@set -o pipefail; $(VENV)/bin/adasum-horovodrun -np $(NP) -H localhost:$(NP) \
@@ -76,6 +76,13 @@ lint: setup
 	@$(VENV)/bin/ruff check adasum_lightning examples tests benchmarks
 	@$(VENV)/bin/ruff format --check adasum_lightning examples tests benchmarks
 
+# The documentation site (Sphinx + MyST: the pages are docs/*.md, the API reference comes from the
+# docstrings) -> docs/_build/html/index.html; warnings are errors. Installs the `docs` extra when missing.
+docs: setup
+	@$(PY) -c "import sphinx, myst_parser, furo" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
+	@start=$$(date +%s); $(PY) -m sphinx -b html -E -W --keep-going -q docs docs/_build/html && \
+	    echo "[docs] built in $$(( $$(date +%s) - start )) s: docs/_build/html/index.html"
+
 # Scaling study + overhead benchmarks -> benchmarks/results/*.json, docs/benchmarks.md (+ PNGs).
 # `bench`: about 65 min on 2 shared cores (docs/benchmarks.md, "Cost of make bench"); `bench-quick`: reduced, under 10 min, into benchmarks/results/quick/.
 bench: setup
@@ -89,4 +96,4 @@ bench-quick: setup
 	    echo "[bench-quick] took $$(( ($$(date +%s) - start) / 60 )) min; report: benchmarks/results/quick/report.md"
 
 clean:
-	rm -rf runs runs-demo.log runs-demo-ddp.log .pytest_cache
+	rm -rf runs runs-demo.log runs-demo-ddp.log .pytest_cache docs/_build

@@ -10,8 +10,9 @@ Makefile (a path alone). For every command of the block (backslash continuations
 variable assignments, ``export``, ``source`` and ``cd`` lines are set-up, not commands) this test checks
 that each named test exists and that the code of at least one of them contains the command's key parts:
 the program (or a helper named after it, e.g. ``run_torchrun``) and what it runs (the script's file name,
-the module after ``-m``, the make target, the sub-command), and that the scripts and files the command
-names exist. A command no test runs therefore fails here, with the page and line.
+the module after ``-m``, the make target, the sub-command), and every ``--option`` the command passes, and
+that the scripts and files the command names exist. A command no test runs therefore fails here, with the
+page and line.
 """
 
 from __future__ import annotations
@@ -178,16 +179,21 @@ def code_of(name: str) -> str:
     functions = _functions(path)
     if test not in functions:
         raise LookupError(f"{path} has no test {test}")
-    node = functions[test]
-    code = [_source(path, node)]
-    called = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-    called |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
-    for module in [path, *HELPER_MODULES]:
-        if not (ROOT / module).is_file():
-            continue
-        for helper, helper_node in _functions(module).items():
-            if helper in called and helper_node is not node:
-                code.append(_source(module, helper_node))
+    helpers = {
+        name: (module, helper)
+        for module in [path, *HELPER_MODULES]
+        if (ROOT / module).is_file()
+        for name, helper in _functions(module).items()
+    }
+    code, seen, todo = [], {test}, [(path, functions[test])]
+    for _ in range(3):  # the test, the helpers it calls, the helpers those call
+        calls = set()
+        for module, node in todo:
+            code.append(_source(module, node))
+            calls |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            calls |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+        todo = [helpers[name] for name in sorted(calls - seen) if name in helpers]
+        seen |= calls
     return "\n".join(code)
 
 
@@ -220,8 +226,12 @@ def test_every_shell_command_is_run_by_a_named_test(block):
         missing_files = [f for f in files if not (ROOT / f).exists()]
         if missing_files:
             problems.append(f"{block.where(line)}: `{command.strip()}` names missing files {missing_files}")
-        if not any(all(any(k in code for k in key) for key in keys) for code in codes.values()):
-            wanted = " and ".join("/".join(key) for key in keys)
+        options = [w.split("=")[0] for w in shlex.split(command, comments=True) if w.startswith("--")]
+        if not any(
+            all(any(k in code for k in key) for key in keys) and all(o in code for o in options)
+            for code in codes.values()
+        ):
+            wanted = " and ".join(["/".join(key) for key in keys] + options)
             problems.append(
                 f"{block.where(line)}: `{command.strip()}` — none of {names} contains {wanted}: name the "
                 "test that runs this command, or show the command a test runs"
@@ -293,7 +303,7 @@ def test_make_targets_run_the_tested_commands():
     # warnings as errors; `make bench-quick` / `make bench` run the benchmark pipeline's entry point.
     demo = _make_dry_run("demo")
     assert "adasum-horovodrun -np 2 -H localhost:2" in demo
-    assert "examples/mnist.py fit --config examples/mnist.yaml" in demo
+    assert "examples/mnist.py fit --config examples/mnist.yaml" in demo and "--data.data_dir=" in demo
     demo_ddp = _make_dry_run("demo-ddp")
     assert "examples/mnist.py fit --config examples/mnist.yaml --trainer.strategy=ddp_adasum" in demo_ddp
     assert "--trainer.devices=2" in demo_ddp

@@ -1,17 +1,18 @@
 """``--local N``: the job's training command on this machine, N CPU processes.
 
 A smoke test before paying for a cluster: the same code snapshot and the same command line as the job
-(:meth:`.job.AmlJob.training_command`), followed by overrides for a CPU run of a few batches (LightningCLI
-keeps the last value of an option). The job's environment variables are set too. The processes start as
-they would on Azure ML:
+(:meth:`.job.AmlJob.training_command`), with ``${{inputs.NAME}}`` / ``${{outputs.NAME}}`` bound to the
+local folders given as ``--input NAME=PATH`` / ``--output NAME=PATH``. A LightningCLI script also gets
+overrides for a CPU run of a few batches (LightningCLI keeps the last value of an option); a script without
+``--trainer.*`` arguments reads the CPU topology from :func:`local_topology`. The job's environment
+variables are set too. The processes start as they would on Azure ML:
 
 - Horovod strategies (an MPI job): under ``horovodrun`` (Open MPI);
 - ``ddp_adasum`` (a PyTorch job): N processes started here directly, each with the variables an Azure ML
   PyTorch job sets (:data:`.job.AML_PYTORCH_VARIABLES`: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-  ``NODE_RANK``, ``RANK``, ``LOCAL_RANK``) on one node, with ``--trainer.devices=N --trainer.num_nodes=1``:
-  the same path through Lightning's ``LightningEnvironment`` as on the cluster (not ``torchrun``, whose
-  ``TORCHELASTIC_RUN_ID`` would select ``TorchElasticEnvironment`` instead). When one process fails, the
-  others are stopped.
+  ``NODE_RANK``, ``RANK``, ``LOCAL_RANK``) on one node: the same path through Lightning's
+  ``LightningEnvironment`` as on the cluster (not ``torchrun``, whose ``TORCHELASTIC_RUN_ID`` would select
+  ``TorchElasticEnvironment`` instead). When one process fails, the others are stopped.
 """
 
 from __future__ import annotations

@@ -19,16 +19,18 @@ lock=".venv-compat.lock"  # shared by every compat environment
 step() { echo "[compat:$name] $*"; }
 SECONDS=0
 
-stamp="$venv/.compat-$(printf '%s' "$spec" | cat - setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+constraints=adasum_lightning/constraints.txt  # the torch pin, as make setup installs it
+stamp="$venv/.compat-$(printf '%s' "$spec" | cat - setup.cfg pyproject.toml "$constraints" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   rm -rf "$venv"
-  step "creating $venv: torch==2.14.1, $spec, the project without extras, pytest"
+  step "creating $venv: $(grep '^torch==' "$constraints"), $spec, the project without extras, pytest"
   "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.14.1 "$spec" "pytest>=8" pytest-timeout \
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile -c "$constraints" torch "$spec" \
+    "pytest>=8" pytest-timeout \
     2> >(grep -v -e "^WARNING: Location" >&2)
   # The project is built in the checkout (build/, *.egg-info): one environment at a time (make test-compat
   # prepares both side by side).
-  flock "$lock" "$venv/bin/python" -m pip install -q --disable-pip-version-check . \
+  flock "$lock" "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile -c "$constraints" . \
     2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" >&2)
   bash patches/build_horovod.sh --python "$venv/bin/python" 2> >(grep -v "^WARNING: Location" >&2)
   touch "$stamp"

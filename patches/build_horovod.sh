@@ -93,7 +93,9 @@ else
   src="$work/horovod-$HOROVOD_VERSION"
   step "applying $(basename "$patch_file")"
   patch -p1 -s -d "$src" <"$patch_file"
-  "$py" -m pip install -q cloudpickle psutil pyyaml packaging cmake
+  # (make setup installs them with torch and sets HOROVOD_SKIP_BUILD_DEPS=1: it builds while pip installs
+  # the project into the same environment)
+  [ "${HOROVOD_SKIP_BUILD_DEPS:-0}" = 1 ] || "$py" -m pip install -q --no-compile cloudpickle psutil pyyaml packaging cmake
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1
   export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
   if [ "$kind" = nccl ]; then
@@ -158,8 +160,8 @@ fi
 if [ "$install" = 0 ]; then echo "$wheel"; exit 0; fi
 
 step "installing $(basename "$wheel")"
-"$py" -m pip install -q --force-reinstall --no-deps "$wheel"
-"$py" -m pip install -q cloudpickle psutil pyyaml packaging cffi
+"$py" -m pip install -q --no-compile --force-reinstall --no-deps "$wheel"
+"$py" -m pip install -q --no-compile cloudpickle psutil pyyaml packaging cffi
 bindir=$(dirname "$("$py" -c 'import sys; print(sys.executable)')")
 check=$("$bindir/horovodrun" --check-build)
 echo "$check" | grep -q '\[X\] PyTorch' || die "Horovod was built without PyTorch:\n$check"

@@ -29,7 +29,6 @@ DATA = ROOT / "tests" / "fixtures" / "aml_project_data"
 CONFIG = WorkspaceConfig("0a1b2c3d-4e5f-6789-abcd-ef0123456789", "rg-adasum", "ws-adasum", "config.json")
 POINTS = "azureml://datastores/workspaceblobstore/paths/fixture/points"
 MODEL = "azureml://datastores/workspaceblobstore/paths/fixture/model"
-SCRIPT_ARGS = ["--", "--data-dir", "${{inputs.points}}", "--out-dir", "${{outputs.model}}", "--epochs", "3"]
 
 
 @pytest.fixture
@@ -57,7 +56,13 @@ def _argv(project, *extra, script="train.py"):
         "--output",
         f"model={MODEL}",
         *extra,
-        *SCRIPT_ARGS,
+        "--",
+        "--data-dir",
+        "${{inputs.points}}",
+        "--out-dir",
+        "${{outputs.model}}",
+        "--epochs",
+        "3",
     ]
 
 
@@ -135,6 +140,27 @@ def test_data_asset_and_https_inputs_are_referenced_not_uploaded(project, tmp_pa
         "mode": "ro_mount",
     }
     assert job["inputs"]["extra"]["type"] == "uri_file"
+
+
+@pytest.mark.parametrize("sdk", ["v1", "v2"])
+def test_the_bundled_example_reads_mnist_from_an_input(sdk, tmp_path, capsys):
+    argv = ["submit", "--sdk", sdk, "--dry-run", "--staging-dir", str(tmp_path / "stage")]
+    assert (
+        cli.main([*argv, "--input", "mnist=azureml:mnist:1", "--", "--data.data_dir=${{inputs.mnist}}"]) == 0
+    )
+    out = capsys.readouterr().out
+    if sdk == "v2":
+        job = yaml.safe_load(out)
+        assert job["command"].endswith(
+            "--data.data_dir=data --trainer.default_root_dir=outputs '--data.data_dir=${{inputs.mnist}}'"
+        )  # the last value wins
+        assert job["inputs"]["mnist"] == {"type": "uri_folder", "path": "azureml:mnist:1", "mode": "ro_mount"}
+    else:
+        rc = json.loads(out)
+        assert rc["arguments"][-1] == "--data.data_dir=$AZUREML_DATAREFERENCE_mnist"
+        assert rc["data"]["mnist"]["dataLocation"]["dataset"] == {
+            "id": None, "name": "mnist", "version": "1",
+        }  # fmt: skip
 
 
 def test_lightning_cli_scripts_get_the_trainer_arguments(project, tmp_path, capsys):
@@ -388,7 +414,7 @@ def test_empty_source_dir_and_an_ignored_script_are_refused(tmp_path, capsys):
 def _local(strategy, project, tmp_path, *extra):
     out = tmp_path / f"model-{strategy}"
     argv = [
-        sys.executable, "-m", "adasum_lightning.aml", "submit", "--strategy", strategy, "--local", "2",
+        sys.executable, "-m", "adasum_lightning.aml.cli", "submit", "--strategy", strategy, "--local", "2",
         "--staging-dir", str(tmp_path / f"local-{strategy}"), "--source-dir", str(project), "train.py",
         "--input", f"points={DATA}", "--output", f"model={out}",
         "--", "--data-dir", "${{inputs.points}}", "--out-dir", "${{outputs.model}}", *extra,

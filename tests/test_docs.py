@@ -34,7 +34,7 @@ MARKER = re.compile(r"<!--\s*tested by:?\s*(?P<names>.+?)\s*-->")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<info>[^\s`]*)")
 #: Pages whose blocks are still to get their markers (issue I rewrites them): a block there without a marker
 #: is reported as an expected failure, one with a marker is checked as everywhere else.
-AWAITING_MARKERS = {"docs/azure_ml.md"}
+AWAITING_MARKERS: set[str] = set()
 #: Files whose functions a test calls by name and whose code counts as the test's (one level deep).
 HELPER_MODULES = ["tests/helpers.py", "tests/twohosts.py", "tests/aml_support.py"]
 #: Programs whose key may also appear as the helper or the module that runs them.

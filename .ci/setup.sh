@@ -55,7 +55,7 @@ else
   # torch first, with Horovod's build dependencies: when no Horovod wheel is cached, it is compiled
   # (patches/build_horovod.sh, against this torch) while the project and its extras install.
   step "installing torch and torchvision ($(paste -sd' ' <(grep -v '^#' "$constraints")))"
-  timed torch "$vpy" "${pip_install[@]}" -c "$constraints" torch torchvision \
+  timed torch "$vpy" "${pip_install[@]}" -c adasum_lightning/constraints.txt torch torchvision \
     cloudpickle psutil pyyaml packaging cmake cffi 2> >(quiet_pip)
   if ! horovod_ok && ! bash patches/build_horovod.sh --cached-only --python "$vpy" >/dev/null 2>&1; then
     step "no cached Horovod wheel: building it in the background while the project installs"
@@ -65,7 +65,7 @@ else
     build_pid=$!
   fi
   step "installing the project with its dev, examples and Azure ML (aml, aml-v2) extras"
-  timed project "$vpy" "${pip_install[@]}" -c "$constraints" -e ".[dev,examples,aml,aml-v2]" 2> >(quiet_pip)
+  timed project "$vpy" "${pip_install[@]}" -c adasum_lightning/constraints.txt -e ".[dev,examples,aml,aml-v2]" 2> >(quiet_pip)
   rm -f "$venv"/.setup-*
   touch "$stamp"
 fi

@@ -374,18 +374,64 @@ def test_bad_input_exits_2_with_the_fix_and_writes_nothing(
 ):
     (project / "bad.txt").write_text("-e ../lib\n")
     (project / "torch.txt").write_text("torch<2.10\n")
-    files = {"BAD": str(project / "bad.txt"), "TORCH": str(project / "torch.txt")}
+    (project / "self.txt").write_text("adasum-lightning==0.1\n")
+    (project / "old-pl.txt").write_text("pytorch-lightning==1.9.0\n")
+    (project / "broken.py").write_text("def f(:\n")
+    names = {"BAD": "bad.txt", "TORCH": "torch.txt", "SELF": "self.txt", "OLDPL": "old-pl.txt"}
+    files = {key: str(project / name) for key, name in names.items()}
+    files["IN_PROJECT"] = str(project / "stage-here")
     files["REQ"] = str(project / "requirements.txt")
     argv = [files.get(a, a) for a in argv]
     monkeypatch.chdir(project)
     before = sorted(p.as_posix() for p in tmp_path.rglob("*"))
-    stage = tmp_path / "stage"
+    stage = [] if "--staging-dir" in argv else ["--staging-dir", str(tmp_path / "stage")]
     dry = [] if "--local" in argv else ["--dry-run"]
-    code = cli.main(["submit", "--sdk", "v2", *dry, "--staging-dir", str(stage), *argv])
+    before_project = sorted(p.as_posix() for p in project.rglob("*"))
+    code = cli.main(["submit", "--sdk", "v2", *dry, *stage, *argv])
     err = capsys.readouterr().err
     assert code == 2 and re.search(message, err), err
     assert err.startswith("adasum-aml: error: ")
     assert sorted(p.as_posix() for p in tmp_path.rglob("*")) == before  # no staging folder, nothing else
+    assert sorted(p.as_posix() for p in project.rglob("*")) == before_project
+
+
+def test_a_staging_dir_in_use_is_refused(project, tmp_path, capsys):
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "old.txt").write_text("from an earlier run\n")
+    argv = ["submit", "--dry-run", "--source-dir", str(project), "train.py", "--staging-dir", str(used)]
+    assert cli.main(argv) == 2
+    assert "is not empty: pass a new or empty folder" in capsys.readouterr().err
+    assert sorted(p.name for p in used.iterdir()) == ["old.txt"]
+
+
+@pytest.mark.parametrize(
+    ("source", "trainer_args"),
+    [
+        ("from lightning.pytorch.cli import LightningCLI as CLI\n\nCLI()\n", True),
+        ("import lightning.pytorch as pl\n\npl.cli.LightningCLI()\n", True),
+        ("# unlike LightningCLI(...), this script parses its own arguments\nimport argparse\n", False),
+    ],
+)
+def test_lightning_cli_is_found_in_the_scripts_code_not_its_comments(
+    source, trainer_args, project, tmp_path, capsys
+):
+    (project / "entry.py").write_text(source)
+    argv = ["submit", "--sdk", "v2", "--dry-run", "--source-dir", str(project), "entry.py"]
+    assert cli.main([*argv, "--staging-dir", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr()
+    assert ("--trainer.strategy=horovod_adasum" in yaml.safe_load(out.out)["command"]) is trainer_args
+    assert ("--trainer.* arguments appended" in out.err) is trainer_args
+    # none of them imports adasum_lightning: Lightning would not know the name horovod_adasum
+    assert "warning: entry.py does not import adasum_lightning" in out.err
+
+
+def test_sdk_v1_says_it_is_deprecated(project, tmp_path, capsys):
+    argv = ["submit", "--sdk", "v1", "--dry-run", "--source-dir", str(project), "train.py"]
+    assert cli.main([*argv, "--staging-dir", str(tmp_path / "s")]) == 0
+    err = capsys.readouterr().err
+    assert "SDK v1 (azureml-core) is deprecated and its support ended on 2026-06-30" in err
+    assert "warning" not in err  # the fixture imports adasum_lightning
 
 
 def test_empty_source_dir_and_an_ignored_script_are_refused(tmp_path, capsys):

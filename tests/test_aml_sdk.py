@@ -81,7 +81,7 @@ def test_build_context_builds_horovod_with_nccl_after_torch(staged):
         [i for i, line in enumerate(dockerfile.splitlines()) if line.startswith("FROM")][0]
     ] == (f"FROM {DEFAULT_BASE_IMAGE}")
     torch_at = dockerfile.index(PINS)
-    wheel_at = dockerfile.index(f'"/tmp/adasum/{wheel.name}[examples]" -r /tmp/adasum/requirements.txt')
+    wheel_at = dockerfile.index(f'"/tmp/adasum/{wheel.name}[examples,lightning]" -r /tmp/adasum/requirements.txt')
     build_at = dockerfile.index("bash /tmp/adasum/patches/build_horovod.sh --gpu")
     assert torch_at < wheel_at < build_at and "openmpi-bin libopenmpi-dev" in dockerfile
     assert "hvd.nccl_built()" in dockerfile
@@ -123,7 +123,7 @@ def test_ddp_adasum_build_context_has_no_mpi_and_no_horovod(staged_ddp):
     steps = _instructions(dockerfile)
     assert "@" not in steps  # every placeholder filled
     assert steps.splitlines()[0] == f"FROM {DEFAULT_DDP_BASE_IMAGE}"
-    assert PINS in steps and f"/tmp/adasum/{_wheel(ctx).name}[examples]" in steps
+    assert PINS in steps and f"/tmp/adasum/{_wheel(ctx).name}[examples,lightning]" in steps
     assert "dist.is_nccl_available()" in steps
     for absent in ("horovod", "openmpi", "mpi", "build-essential", "nvcc", "patches", "openssh"):
         assert absent not in steps.lower(), absent

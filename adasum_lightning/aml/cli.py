@@ -46,6 +46,7 @@ from adasum_lightning.aml.workspace import load_workspace_config, redact
 
 PROG = "adasum-aml"
 SDK_PACKAGES = {"v1": ("azureml.core", "aml"), "v2": ("azure.ai.ml", "aml-v2")}
+PACKAGE_NAMES = {"v1": "azureml-core", "v2": "azure-ai-ml"}
 #: Unknown options passed through to the training script without ``--`` (LightningCLI groups).
 PASS_THROUGH_PREFIXES = (
     "--trainer.",
@@ -83,7 +84,7 @@ def resolve_sdk(choice: str) -> str:
     module, extra = SDK_PACKAGES[choice]
     if not _installed(module):
         raise AmlUsageError(
-            f"--sdk {choice} needs the package {module.rsplit('.', 1)[0].replace('.', '-')}: "
+            f"--sdk {choice} needs the package {PACKAGE_NAMES[choice]}: "
             f"pip install 'adasum-lightning[{extra}]'"
         )
     return choice
@@ -248,7 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the job's command here with N CPU processes: under horovodrun for the Horovod strategies "
         "(a power of 2 for horovod_adasum), started as an Azure ML PyTorch job starts them for ddp_adasum",
     )
-    p.add_argument("--local-batches", type=int, default=4, help="batches per process for --local (default 4)")
+    p.add_argument(
+        "--local-batches",
+        type=int,
+        default=4,
+        help="training and validation batches per process for --local of a LightningCLI script (default 4)",
+    )
     p.add_argument(
         "--data-dir",
         default=None,
@@ -293,6 +299,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             f"unrecognized arguments: {' '.join(unknown)} (put training-script arguments after '--')"
         )
     args.training_args = [*passed, *after]
+    args.lightning_options = passed
     args.first_script_arg = after[0] if after else None
     return args
 
@@ -306,6 +313,7 @@ def _check_options(args: argparse.Namespace) -> None:
             f"'--' (adasum-aml submit [--source-dir DIR] {first} -- ARGS)"
         )
     if args.script is None:
+        _check_staging_dir(args.staging_dir, None)
         for flag, value in (
             ("--source-dir", args.source_dir),
             ("--trainer-args", args.trainer_args != "auto"),
@@ -324,24 +332,66 @@ def _check_options(args: argparse.Namespace) -> None:
         raise AmlUsageError("--stream follows a submitted job: drop it for --dry-run and --local")
 
 
+def _warn_about_the_script(script: str, facts, trainer_args: bool, strategy: str) -> None:
+    """Say how the script learns the strategy; warn when it would not find the strategy's name."""
+    if trainer_args:
+        how = "--trainer.* arguments appended (a LightningCLI script)"
+    else:
+        how = (
+            "no --trainer.* arguments (not a LightningCLI script: it reads ADASUM_STRATEGY, ADASUM_DEVICES, "
+            "ADASUM_NUM_NODES; pass --trainer-args on if it builds a LightningCLI elsewhere)"
+        )
+    print(f"[{PROG}] {script}: {how}", file=sys.stderr, flush=True)
+    needs_name = not (trainer_args and strategy == "ddp_adasum")  # ddp_adasum is passed as a class path
+    if needs_name and not facts.imports_adasum:
+        print(
+            f"[{PROG}] warning: {script} does not import adasum_lightning, which registers "
+            f"strategy='{strategy}' with Lightning; add `import adasum_lightning` to it (or to a module it "
+            "imports), or Lightning stops with 'You selected an invalid strategy name'",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _check_staging_dir(staging_dir: str | None, source_dir: Path | None) -> None:
+    """Refuse a ``--staging-dir`` that is a file, is not empty, or lies inside the source directory (its
+    files would become part of the next snapshot)."""
+    if not staging_dir:
+        return
+    path = Path(staging_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise AmlUsageError(f"--staging-dir {staging_dir} is a file: pass a new or empty folder")
+    if path.is_dir() and any(path.iterdir()):
+        raise AmlUsageError(
+            f"--staging-dir {staging_dir} is not empty: pass a new or empty folder (adasum-aml deletes "
+            "nothing)"
+        )
+    if source_dir is not None and (path.resolve() == source_dir or source_dir in path.resolve().parents):
+        raise AmlUsageError(
+            f"--staging-dir {staging_dir} is inside the source directory {source_dir}, so it would be "
+            "uploaded with the code: pass a folder outside it"
+        )
+
+
 def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
     """The validated :class:`AmlJob` for parsed arguments and the project's source directory (``None`` for
     the bundled example). Raises :class:`AmlUsageError`."""
-    from adasum_lightning.aml.project import (
-        check_script,
-        parse_bindings,
-        read_requirements,
-        uses_lightning_cli,
-    )
-    from adasum_lightning.aml.staging import constraints
+    from adasum_lightning.aml.project import check_script, parse_bindings, read_requirements, script_facts
+    from adasum_lightning.aml.staging import constraints, image_dependencies
 
     _check_options(args)
     source_dir, script, trainer_args = None, None, True
     if args.script is not None:
         source_dir, script = check_script(args.source_dir or ".", args.script)
-        trainer_args = {"on": True, "off": False}.get(args.trainer_args)
-        if trainer_args is None:
-            trainer_args = uses_lightning_cli(source_dir / script)
+        facts = script_facts(source_dir / script)
+        trainer_args = {"on": True, "off": False}.get(args.trainer_args, facts.lightning_cli)
+        if not trainer_args and getattr(args, "lightning_options", None):
+            raise AmlUsageError(
+                f"{args.lightning_options[0]} is a LightningCLI option, but {script} is not a LightningCLI "
+                "script (it takes no --trainer.* arguments): pass --trainer-args on if it is one, or give "
+                "the script its own arguments after '--'"
+            )
+        _check_staging_dir(args.staging_dir, source_dir)
     data = parse_bindings(
         args.input,
         args.output,
@@ -350,7 +400,9 @@ def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
         args.input_type,
         local=args.local is not None,
     )
-    requirements = read_requirements(args.requirements, constraints()) if args.requirements else ()
+    requirements = (
+        read_requirements(args.requirements, constraints(), image_dependencies()) if args.requirements else ()
+    )
     job = AmlJob(
         strategy=args.strategy,
         experiment_name=args.experiment,
@@ -369,6 +421,8 @@ def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
         requirements=requirements,
         environment=args.environment,
     )
+    if script is not None:  # after every check: nothing is printed for bad input but the error
+        _warn_about_the_script(script, facts, trainer_args, args.strategy)
     return job, source_dir
 
 
@@ -407,6 +461,13 @@ def submit_command(args: argparse.Namespace) -> int:
             batches=args.local_batches,
         )
     sdk = resolve_sdk(args.sdk)
+    if sdk == "v1":
+        print(
+            f"[{PROG}] note: SDK v1 (azureml-core) is deprecated and its support ended on 2026-06-30; "
+            "pip install 'adasum-lightning[aml-v2]' to use SDK v2",
+            file=sys.stderr,
+            flush=True,
+        )
     config = load_workspace_config(args.config) if (args.config or not args.dry_run) else None
 
     from adasum_lightning.aml.staging import stage_job
@@ -425,7 +486,7 @@ def submit_command(args: argparse.Namespace) -> int:
             print(backend.render(built), flush=True)
             print(
                 f"[{PROG}] dry run: nothing was sent to Azure; code snapshot {staged.code_dir} "
-                f"({len(staged.files)} files), build context "
+                f"({len(staged.files)} file{'s' if len(staged.files) != 1 else ''}), build context "
                 f"{staged.context_dir or '(none: registered environment)'}",
                 file=sys.stderr,
                 flush=True,

@@ -116,8 +116,13 @@ def local_command(
     if not horovodrun.exists():
         found = shutil.which("horovodrun")
         if not found:
+            from adasum_lightning.aml.staging import HOROVOD_BUILD_PACKAGE, package_file
+
+            script = package_file(HOROVOD_BUILD_PACKAGE, "build_horovod.sh")
             raise AmlUsageError(
-                "horovodrun is not installed in this environment: run `make setup` (it builds Horovod)"
+                f"--strategy {job.strategy} needs horovodrun, which this environment lacks: use --strategy "
+                f"ddp_adasum (no Horovod), or build Horovod with `bash {script} --python {python}` (needs "
+                "Open MPI; in a checkout `make setup` does it)"
             )
         horovodrun = Path(found)
     launcher = [str(horovodrun), "-np", str(np), "-H", f"localhost:{np}", "--mpi"]

@@ -15,11 +15,13 @@ a message that names the fix, before any SDK object exists.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from packaging.requirements import InvalidRequirement, Requirement
 
@@ -70,6 +72,10 @@ def check_script(source_dir: str | Path, script: str) -> tuple[Path, str]:
             f"the script {script} is outside the source directory {source}: Azure ML uploads only the source "
             "directory. Pass --source-dir with a folder that contains it, and SCRIPT relative to that folder"
         ) from None
+    if path.is_dir():
+        raise AmlUsageError(
+            f"the script {relative.as_posix()} is a directory: pass the training script inside it"
+        )
     if not path.is_file():
         raise AmlUsageError(
             f"the script {relative.as_posix()} does not exist in the source directory {source}: pass SCRIPT "
@@ -133,23 +139,63 @@ def copy_snapshot(source_dir: Path, dest: Path, script: str) -> list[str]:
     return files
 
 
-def uses_lightning_cli(script_path: Path) -> bool:
-    """Whether the script builds a ``LightningCLI`` (its text calls ``LightningCLI(``), i.e. takes
-    ``--trainer.*`` arguments."""
-    return (
-        re.search(r"\bLightningCLI\s*\(", script_path.read_text(encoding="utf-8", errors="replace"))
-        is not None
-    )
+@dataclass(frozen=True)
+class ScriptFacts:
+    """What the entry script's own code shows (its syntax tree; comments and strings do not count).
+
+    Attributes:
+        lightning_cli: it imports or calls ``LightningCLI`` (under any alias), so it takes ``--trainer.*``.
+        imports_adasum: it imports ``adasum_lightning``, which registers the strategy names.
+    """
+
+    lightning_cli: bool
+    imports_adasum: bool
+
+
+def script_facts(script_path: Path) -> ScriptFacts:
+    """:class:`ScriptFacts` of the entry script.
+
+    Raises:
+        AmlUsageError: the script is not a ``.py`` file or not valid Python (the job runs ``python SCRIPT``).
+    """
+    if script_path.suffix != ".py":
+        raise AmlUsageError(
+            f"the script {script_path.name} is not a Python file: the job runs `python SCRIPT`; pass your "
+            "training script (.py)"
+        )
+    try:
+        tree = ast.parse(script_path.read_text(encoding="utf-8", errors="replace"), filename=str(script_path))
+    except SyntaxError as err:
+        raise AmlUsageError(
+            f"the script {script_path.name} is not valid Python (line {err.lineno}: {err.msg}): fix it "
+            "before submitting"
+        ) from None
+    cli = adasum = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            cli |= any(alias.name == "LightningCLI" for alias in node.names)
+            adasum |= (node.module or "").split(".")[0] == "adasum_lightning"
+        elif isinstance(node, ast.Import):
+            adasum |= any(alias.name.split(".")[0] == "adasum_lightning" for alias in node.names)
+        elif isinstance(node, ast.Attribute) and node.attr == "LightningCLI":
+            cli = True
+        elif isinstance(node, ast.Name) and node.id == "LightningCLI":
+            cli = True
+    return ScriptFacts(cli, adasum)
 
 
 # -- the project's own pip requirements ---------------------------------------------------------------
-def read_requirements(path: str | Path, pins: Mapping[str, str]) -> tuple[str, ...]:
+def read_requirements(
+    path: str | Path, pins: Mapping[str, str], dependencies: Mapping[str, Sequence] = MappingProxyType({})
+) -> tuple[str, ...]:
     """The requirement lines of the user's ``--requirements FILE`` (comments and blank lines dropped).
 
     Args:
         path: a pip requirements file.
         pins: ``{"torch": "2.14.1", ...}``: the versions the image pins; a requirement that excludes one is
             refused here instead of failing the image build.
+        dependencies: ``{name: [SpecifierSet, …]}`` of adasum-lightning's own requirements
+            (:func:`.staging.image_dependencies`); an exact pin (``NAME==V``) outside them is refused.
 
     Raises:
         AmlUsageError: missing or unreadable file; a line that is not a requirement specifier (pip options,
@@ -184,6 +230,18 @@ def read_requirements(path: str | Path, pins: Mapping[str, str]) -> tuple[str, .
                 f"--requirements {path}, line {number}: {line} excludes {req.name}=={pinned}, the version "
                 f"the image pins (adasum_lightning/constraints.txt): drop the line or allow {pinned}"
             )
+        if req.name.lower().replace("_", "-") == "adasum-lightning":
+            raise AmlUsageError(
+                f"--requirements {path}, line {number}: the image installs the adasum-lightning that submits "
+                "the job (built from this installation): drop the line"
+            )
+        exact = [spec.version for spec in req.specifier if spec.operator == "=="]
+        for allowed in dependencies.get(req.name.lower(), ()):
+            if exact and not allowed.contains(exact[0], prereleases=True):
+                raise AmlUsageError(
+                    f"--requirements {path}, line {number}: {line} conflicts with adasum-lightning's own "
+                    f"requirement {req.name}{allowed}: drop the line or pin a version within it"
+                )
         lines.append(line)
     return tuple(lines)
 
@@ -308,7 +366,10 @@ def _check_uri(binding: DataBinding, local: bool) -> None:
                 f"{binding.name}=PATH (e.g. a downloaded copy of the data)"
             )
         if binding.direction == "inputs" and not Path(uri).expanduser().exists():
-            raise AmlUsageError(f"--input {binding.name}={uri}: no such file or folder here")
+            raise AmlUsageError(
+                f"--input {binding.name}={uri}: no such file or folder (a relative path is taken from the "
+                "current directory, not from --source-dir)"
+            )
         return
     if binding.direction == "outputs" and not binding.datastore_path:
         raise AmlUsageError(
@@ -316,6 +377,12 @@ def _check_uri(binding: DataBinding, local: bool) -> None:
             f"{binding.name}=azureml://datastores/<datastore>/paths/<folder>"
         )
     if binding.is_remote:
+        if re.search(r"[?&](sig|sv|se)=", uri):
+            raise AmlUsageError(
+                f"{option} {binding.name}: the URL carries a SAS token, which would be shown in the job's "
+                "definition: register the storage as a datastore and pass "
+                "azureml://datastores/<datastore>/paths/<path>"
+            )
         return
     if uri.startswith(("azureml:", "azureml://")):
         raise AmlUsageError(
@@ -339,6 +406,12 @@ def check_placeholders(args: Sequence[str], bindings: Sequence[DataBinding]) -> 
     """
     known = {(b.direction, b.name) for b in bindings}
     for arg in args:
+        loose = re.search(r"\$\{\s*(inputs|outputs)\.([A-Za-z0-9_]+)\s*\}(?!\})", arg)
+        if loose and not _PLACEHOLDER_RE.search(arg):
+            raise AmlUsageError(
+                f"the script argument {arg!r} has {loose[0]}: Azure ML binds double braces, "
+                "${{" + f"{loose[1]}.{loose[2]}" + "}}"
+            )
         for match in _PLACEHOLDER_RE.finditer(arg):
             if (match["kind"], match["name"]) not in known:
                 option = "--input" if match["kind"] == "inputs" else "--output"

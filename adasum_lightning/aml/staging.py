@@ -35,8 +35,9 @@ from adasum_lightning.aml.project import copy_snapshot
 CUDA_CC_LIST = "75,80,86,89,90"
 #: Extra packages of the job image besides adasum-lightning and the project's own requirements.
 IMAGE_EXTRA_REQUIREMENTS = ("azureml-mlflow",)
-#: The extras of adasum-lightning the image installs (``examples``: torchvision, jsonargparse).
-IMAGE_EXTRAS = "examples"
+#: The extras of adasum-lightning the image installs: ``examples`` (torchvision, jsonargparse for
+#: LightningCLI) and ``lightning`` (the unified package, for scripts that ``import lightning``).
+IMAGE_EXTRAS = "examples,lightning"
 DISTRIBUTION = "adasum-lightning"
 #: Packages of the bundled files (``setup.py`` maps ``examples/`` and ``patches/`` there).
 EXAMPLE_PACKAGE = "adasum_lightning.aml.example"
@@ -87,6 +88,21 @@ def constraints() -> dict[str, str]:
             name, _, version = line.partition("==")
             pins[name.strip().lower()] = version.strip()
     return pins
+
+
+def image_dependencies() -> dict[str, list]:
+    """What the image's adasum-lightning wheel requires, with :data:`IMAGE_EXTRAS`: ``{name: [SpecifierSet,
+    …]}`` (lower-case names), for checking the project's ``--requirements`` against it."""
+    from packaging.requirements import Requirement
+
+    extras = IMAGE_EXTRAS.split(",")
+    wanted: dict[str, list] = {}
+    for line in _installed_distribution().requires or []:
+        req = Requirement(line)
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in ["", *extras]):
+            continue
+        wanted.setdefault(req.name.lower(), []).append(req.specifier)
+    return wanted
 
 
 def dockerfile_template(job: AmlJob) -> Path:

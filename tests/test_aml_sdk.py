@@ -81,7 +81,7 @@ def test_build_context_builds_horovod_with_nccl_after_torch(staged):
         [i for i, line in enumerate(dockerfile.splitlines()) if line.startswith("FROM")][0]
     ] == (f"FROM {DEFAULT_BASE_IMAGE}")
     torch_at = dockerfile.index(PINS)
-    wheel_at = dockerfile.index(f'"/tmp/adasum/{wheel.name}[examples,lightning]" -r /tmp/adasum/requirements.txt')
+    wheel_at = dockerfile.index(f'"/tmp/adasum/{wheel.name}[examples,lightning]" -r /tmp/adasum/requirements')
     build_at = dockerfile.index("bash /tmp/adasum/patches/build_horovod.sh --gpu")
     assert torch_at < wheel_at < build_at and "openmpi-bin libopenmpi-dev" in dockerfile
     assert "hvd.nccl_built()" in dockerfile

@@ -449,6 +449,18 @@ def submit_command(args: argparse.Namespace) -> int:
         from adasum_lightning.aml.local import check_local_count, run_local
 
         check_local_count(job, args.local)
+        ignored = [
+            flag
+            for flag, given in (("--environment", args.environment), ("--requirements", args.requirements))
+            if given
+        ]
+        if ignored:
+            print(
+                f"[{PROG}] note: --local runs in this Python environment ({sys.executable}); "
+                f"{' and '.join(ignored)} apply to the cluster job's image",
+                file=sys.stderr,
+                flush=True,
+            )
         work = (
             Path(args.staging_dir) if args.staging_dir else Path(tempfile.mkdtemp(prefix="adasum-aml-local-"))
         )

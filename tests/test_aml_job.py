@@ -53,7 +53,7 @@ def test_defaults_keep_the_seed_topology_on_a_current_vm_size():
     assert (job.node_count, job.process_count_per_node, job.world_size) == (8, 4, 32)
     assert (job.min_nodes, job.max_nodes) == (0, 8)
     assert job.vm_size == "Standard_NC64as_T4_v3" and lookup_vm_size(job.vm_size).gpus == 4
-    assert job.base_image == "nvidia/cuda:13.0.0-devel-ubuntu22.04"
+    assert job.base_image == "nvidia/cuda:13.0.0-runtime-ubuntu22.04"  # Horovod builds without a devel image
     assert job.strategy == "horovod_adasum" and job.is_mpi
     assert dict(job.environment_variables) == {
         "OMP_NUM_THREADS": "1",
@@ -249,14 +249,6 @@ def test_training_args_may_repeat_the_topology_and_change_the_ddp_timeout():
             r"HOROVOD_FUSION_THRESHOLD has no effect.*--strategy horovod_adasum",
         ),
         (
-            {"base_image": "nvidia/cuda:13.0.0-runtime-ubuntu22.04"},
-            r"has no nvcc, which the job image's Horovod build needs.*--base-image nvidia/cuda:13.0.0-devel",
-        ),
-        (
-            {"strategy": "horovod", "base_image": "nvidia/cuda:12.8.0-cudnn-runtime-ubuntu22.04"},
-            r"has no nvcc.*--strategy horovod\)",
-        ),
-        (
             {"strategy": "ddp_adasum", "process_count_per_node": 8},
             r"has 4 GPU\(s\).*--gpus-per-node 4",
         ),
@@ -265,6 +257,13 @@ def test_training_args_may_repeat_the_topology_and_change_the_ddp_timeout():
 def test_bad_strategy_combinations_are_refused_with_the_fix(kwargs, message):
     with pytest.raises(AmlUsageError, match=message):
         AmlJob(**kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["horovod_adasum", "horovod"])
+def test_horovod_strategies_take_a_runtime_image(strategy):
+    # Horovod is compiled with the CUDA compiler from the registry's wheels (make gpu-wheel): no nvcc needed
+    job = AmlJob(strategy=strategy, base_image="nvidia/cuda:13.0.0-runtime-ubuntu24.04")
+    assert job.base_image == "nvidia/cuda:13.0.0-runtime-ubuntu24.04"
 
 
 def test_ddp_adasum_takes_any_base_image():
@@ -436,10 +435,6 @@ def no_sdk_calls(monkeypatch):
         ),
         (["--strategy", "ddp_adasum", "--env", "RANK=0", "--dry-run"], "RANK is set by Azure ML"),
         (["--dry-run", "--trainer.strategy=ddp_adasum"], "not with --trainer.strategy"),
-        (
-            ["--base-image", "nvidia/cuda:13.0.0-runtime-ubuntu22.04", "--dry-run"],
-            "has no nvcc, which the job image's Horovod build needs",
-        ),
         (
             ["--strategy", "ddp_adasum", "--local", "0"],
             "--local 0: the process count must be a positive integer",

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from adasum_lightning import fault_tolerance
 from adasum_lightning.ops import is_power_of_two
+from adasum_lightning.validation import nearest_powers_of_two
 
 if TYPE_CHECKING:
     from adasum_lightning.aml.project import DataBinding
@@ -119,9 +120,11 @@ DEFAULT_NODE_COUNT = 8
 DEFAULT_PROCESSES_PER_NODE = 4
 DEFAULT_CLUSTER = "adasum-nc64t4"
 DEFAULT_EXPERIMENT = "adasum-lightning-mnist"
-#: CUDA 13.0 *devel* image: nvcc and the NCCL headers Horovod's NCCL build needs, the CUDA release that
-#: PyTorch 2.14.1's registry wheels are built with. OpenMPI and Python come from Ubuntu 22.04.
-DEFAULT_BASE_IMAGE = "nvidia/cuda:13.0.0-devel-ubuntu22.04"
+#: CUDA 13.0 *runtime* image, the CUDA release that PyTorch 2.14.1's registry wheels are built with: the
+#: Horovod build needs no devel image (``patches/build_horovod.sh --gpu`` compiles with nvcc, CCCL and cudart
+#: from the registry's cuda-toolkit wheels and NCCL from torch's, as ``make gpu-wheel`` tests). OpenMPI and
+#: Python come from Ubuntu 22.04.
+DEFAULT_BASE_IMAGE = "nvidia/cuda:13.0.0-runtime-ubuntu22.04"
 #: Base of the ``ddp_adasum`` image: nothing is compiled there (no Horovod), so the CUDA *runtime* image of
 #: the same release is enough (the torch wheels bring their own CUDA libraries and NCCL).
 DEFAULT_DDP_BASE_IMAGE = "nvidia/cuda:13.0.0-runtime-ubuntu22.04"
@@ -186,8 +189,6 @@ DEFAULT_ENVIRONMENT_VARIABLES: Mapping[str, str] = MappingProxyType(
 _CLUSTER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]{1,14}[A-Za-z0-9]$")
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,254}$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: nvidia/cuda images without nvcc (``…-runtime-…``, ``…-base-…``, ``cudnn-runtime``).
-_CUDA_WITHOUT_NVCC_RE = re.compile(r"^(docker\.io/)?nvidia/cuda:[^ ]*-(runtime|base)-", re.I)
 _SECRET_RE = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|(^|_)KEY($|_)|CONNECTION_STRING|SAS", re.I)
 
 
@@ -295,9 +296,9 @@ class AmlJob:
             :data:`DEFAULT_ENVIRONMENT_VARIABLES`, and for MPI jobs over Open MPI's fault settings
             :func:`adasum_lightning.fault_tolerance.mpi_env`). Names that look like secrets are refused: job
             variables are visible in the run's details.
-        base_image: base image of the job environment's Dockerfile; ``None`` (default): a CUDA *devel*
-            image for the Horovod strategies (Horovod's NCCL build needs nvcc and the NCCL headers), the
-            CUDA *runtime* image for ``ddp_adasum``.
+        base_image: base image of the job environment's Dockerfile; ``None`` (default): the CUDA 13.0
+            *runtime* image (Ubuntu 22.04), for every strategy (the Horovod strategies' image compiles
+            Horovod with the CUDA compiler from the registry's wheels; ``ddp_adasum``'s compiles nothing).
 
     Raises:
         AmlUsageError: on creation, for any invalid field or combination (the message names the fix).
@@ -332,7 +333,7 @@ class AmlJob:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AmlUsageError(f"{name} must be a positive integer, got {value!r}: fix {flag}")
             if self.strategy == "horovod_adasum" and not is_power_of_two(value):
-                lower, upper = 1 << (value.bit_length() - 1), 1 << value.bit_length()
+                lower, upper = nearest_powers_of_two(value)
                 raise AmlUsageError(
                     f"{name}={value} is not a power of 2; Horovod's Adasum combines 2^k workers. "
                     f"Use {flag} {lower} or {flag} {upper}, or --strategy ddp_adasum (any count)"
@@ -377,12 +378,6 @@ class AmlJob:
             base_image = DEFAULT_BASE_IMAGE if self.is_mpi else DEFAULT_DDP_BASE_IMAGE
         if not isinstance(base_image, str) or not base_image.strip() or " " in base_image:
             raise AmlUsageError(f"base image {base_image!r} is not an image reference: fix --base-image")
-        if self.is_mpi and _CUDA_WITHOUT_NVCC_RE.match(base_image):
-            raise AmlUsageError(
-                f"base image {base_image} has no nvcc, which the job image's Horovod build needs for its "
-                f"NCCL operations (--strategy {self.strategy}). Pass a CUDA devel image, e.g. --base-image "
-                f"{DEFAULT_BASE_IMAGE} (the default), or --strategy ddp_adasum (no Horovod)"
-            )
         object.__setattr__(self, "base_image", base_image)
         if self.environment is not None:
             if self.requirements:

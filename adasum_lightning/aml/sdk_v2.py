@@ -35,7 +35,8 @@ def build_environment(job: AmlJob, staged: StagedJob):
         return job.environment
     if job.is_mpi:
         description = (
-            f"OpenMPI + CUDA ({job.base_image}), torch, Horovod with NCCL (patches/build_horovod.sh --gpu)"
+            f"OpenMPI + CUDA ({job.base_image}), torch, Horovod with NCCL compiled with the registry's CUDA "
+            "wheels (patches/build_horovod.sh --gpu)"
         )
     else:
         description = f"CUDA runtime ({job.base_image}), torch with NCCL; no MPI, no Horovod (ddp_adasum)"

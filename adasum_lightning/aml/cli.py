@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "on", "off"),
         default="auto",
         help="append --trainer.strategy/devices/num_nodes to the script's arguments: on for LightningCLI "
-        "scripts, off for others (they read ADASUM_STRATEGY, ADASUM_DEVICES, ADASUM_NUM_NODES); auto "
-        "(default): on when the script uses LightningCLI",
+        "scripts, off for others (they read ADASUM_STRATEGY, ADASUM_ACCELERATOR, ADASUM_DEVICES, "
+        "ADASUM_NUM_NODES); auto (default): on when the script uses LightningCLI",
     )
     p.add_argument(
         "--requirements",
@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--base-image",
         default=None,
-        help=f"job image base (default {DEFAULT_BASE_IMAGE} for the Horovod strategies, "
+        help=f"base of the image adasum-aml builds (default {DEFAULT_BASE_IMAGE})"
+        if DEFAULT_BASE_IMAGE == DEFAULT_DDP_BASE_IMAGE
+        else f"base of the image adasum-aml builds (default {DEFAULT_BASE_IMAGE} for the Horovod strategies, "
         f"{DEFAULT_DDP_BASE_IMAGE} for ddp_adasum)",
     )
     p.add_argument(
@@ -234,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--staging-dir",
         help="where to write the code snapshot and build context "
-        "(default: a new temporary folder; kept for --dry-run)",
+        "(default: a new temporary folder; kept for --dry-run and --local; must be new or empty)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(

@@ -367,6 +367,31 @@ def test_v1_stream_waits_for_the_run(status, code, project, tmp_path, monkeypatc
             ["train.py", "--local", "2", "--input", f"points={POINTS}"],
             r"--local reads and writes local folders",
         ),
+        (["requirements.txt"], r"is not a Python file: the job runs `python SCRIPT`"),
+        (["scratch"], r"the script scratch is a directory"),
+        (["broken.py"], r"broken.py is not valid Python \(line 1"),
+        (
+            ["train.py", "--trainer.max_epochs=3"],
+            r"--trainer.max_epochs=3 is a LightningCLI option, but train.py",
+        ),
+        (["train.py", "--", "--data-dir", "${inputs.points}"], r"Azure ML binds double braces"),
+        (
+            ["train.py", "--input", "p=https://a.blob.core.windows.net/c/d?sv=1&sig=SECRET"],
+            r"carries a SAS token",
+        ),
+        (
+            ["train.py", "--requirements", "SELF"],
+            r"the image installs the adasum-lightning that submits the job",
+        ),
+        (
+            ["train.py", "--requirements", "OLDPL"],
+            r"conflicts with adasum-lightning's own requirement pytorch-lightning",
+        ),
+        (
+            ["train.py", "--staging-dir", "IN_PROJECT"],
+            r"is inside the source directory .* pass a folder outside it",
+        ),
+        (["train.py", "--staging-dir", "train.py"], r"--staging-dir train.py is a file"),
     ],
 )
 def test_bad_input_exits_2_with_the_fix_and_writes_nothing(
@@ -390,7 +415,7 @@ def test_bad_input_exits_2_with_the_fix_and_writes_nothing(
     code = cli.main(["submit", "--sdk", "v2", *dry, *stage, *argv])
     err = capsys.readouterr().err
     assert code == 2 and re.search(message, err), err
-    assert err.startswith("adasum-aml: error: ")
+    assert err.startswith("adasum-aml: error: ") and "SECRET" not in err  # a SAS token is never printed
     assert sorted(p.as_posix() for p in tmp_path.rglob("*")) == before  # no staging folder, nothing else
     assert sorted(p.as_posix() for p in project.rglob("*")) == before_project
 

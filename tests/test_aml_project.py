@@ -342,7 +342,7 @@ def test_v1_stream_waits_for_the_run(status, code, project, tmp_path, monkeypatc
         ),
         (["train.py", "--requirements", "nope.txt"], r"--requirements nope.txt: no such file"),
         (["train.py", "--requirements", "BAD"], r"line 1: '-e ../lib' is not a requirement .*NAME==VERSION"),
-        (["train.py", "--requirements", "TORCH"], r"excludes torch==2.14.1, the version the image pins"),
+        (["train.py", "--requirements", "TORCH"], r"excludes torch==[0-9.]+, the version the image pins"),
         (["train.py", "--input", "points=s3://bucket/x"], r"only https:// URLs are read"),
         (["train.py", "--input", "points=azureml:no-version"], r"not an Azure ML URI this launcher reads"),
         (["train.py", "--input", "points"], r"expected NAME=VALUE"),

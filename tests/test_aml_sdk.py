@@ -461,7 +461,7 @@ def test_dry_run_v1_ddp_adasum_prints_a_pytorch_job(capsys, tmp_path):
     assert not any(k.startswith("OMPI_") for k in rc["environmentVariables"])
     assert not (tmp_path / "image" / "patches").exists()
     assert re.search(
-        r"mnist.py with ddp_adasum as a PyTorch job, image adasum-lightning-ddp:[0-9a-f]{16}, "
+        r"mnist.py with ddp_adasum as a PyTorch job, image adasum-lightning-ddp-[0-9a-f]{16}, "
         r"3 nodes × 4 processes \(12 GPUs\)",
         out.err,
     )

@@ -433,7 +433,7 @@ def _summary(job: AmlJob, sdk: str, staged) -> str:
     image = (
         f"registered environment {job.environment}"
         if job.environment
-        else f"image {job.environment_name}:{staged.environment_version}"
+        else f"image {job.environment_name}{'-' if sdk == 'v1' else ':'}{staged.environment_version}"
     )
     return (
         f"[{PROG}] SDK {sdk}: {job.script_name} with {job.strategy} as {kind}, {image}, "

@@ -268,11 +268,6 @@ class DataBinding:
     mode: str = ""
 
     @property
-    def placeholder(self) -> str:
-        """``${{inputs.NAME}}`` / ``${{outputs.NAME}}``."""
-        return "${{" + f"{self.direction}.{self.name}" + "}}"
-
-    @property
     def datastore_path(self) -> tuple[str, str] | None:
         """``(datastore, path)`` of an ``azureml://datastores/…`` URI, else ``None``."""
         match = _DATASTORE_RE.match(self.uri)

@@ -216,9 +216,9 @@ def stage_build_context(job: AmlJob, dest: Path) -> tuple[Path, str]:
     if job.is_mpi:
         patches = dest / "patches"
         patches.mkdir(exist_ok=True)
-        build_dir = Path(str(importlib.resources.files(HOROVOD_BUILD_PACKAGE)))
-        for src in [build_dir / "build_horovod.sh", *sorted(build_dir.glob("horovod-*.patch"))]:
-            shutil.copy2(package_file(HOROVOD_BUILD_PACKAGE, src.name), patches / src.name)
+        script = package_file(HOROVOD_BUILD_PACKAGE, "build_horovod.sh")
+        for src in [script, *sorted(script.parent.glob("horovod-*.patch"))]:
+            shutil.copy2(src, patches / src.name)
     return dest, content_version(dest, wheel_digest)
 
 

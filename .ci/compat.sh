@@ -25,6 +25,7 @@ if [ ! -f "$stamp" ]; then
   rm -rf "$venv"
   step "creating $venv: $(grep '^torch==' "$constraints"), $spec, the project without extras, pytest"
   "$py" -m venv "$venv"
+  .venv/bin/python .ci/seed_venv.py "$venv" torch  # torch's files hard-linked from make setup's .venv (no disk of its own)
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile -c "$constraints" torch "$spec" \
     "pytest>=8" pytest-timeout \
     2> >(grep -v -e "^WARNING: Location" >&2)

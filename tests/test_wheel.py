@@ -56,18 +56,21 @@ def dist(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def venv(dist, tmp_path_factory):
-    """A new venv outside the repository with the wheel and its extras (torch from the registry)."""
+    """A new venv outside the repository with the wheel and its extras. torch, torchvision and their CUDA
+    wheels are hard links of this environment's files (``.ci/seed_venv.py``: a third copy of them filled CI's
+    disk); pip installs everything else from the registry, as for a user."""
     where = tmp_path_factory.mktemp("wheel-venv")
     assert ROOT not in where.parents
     _run([sys.executable, "-m", "venv", str(where / "venv")])
     python = where / "venv" / "bin" / "python"
+    _run([sys.executable, str(ROOT / ".ci" / "seed_venv.py"), str(where / "venv")])
     (wheel,) = dist.glob("*.whl")
     start = time.monotonic()
     _run(
         [str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "adasum_lightning" / "constraints.txt"),
          f"{wheel}[aml-v2,lightning,examples]"],
     )  # fmt: skip
-    print(f"[wheel] pip install of the wheel, torch and the extras: {time.monotonic() - start:.0f} s")
+    print(f"[wheel] pip install of the wheel and the extras: {time.monotonic() - start:.0f} s")
     return python
 
 

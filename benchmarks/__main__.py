@@ -201,6 +201,10 @@ LOOPS_RATIOS = (
     ("plain_adasum", "plain_ddp"),
     ("trainer_adasum", "trainer_ddp"),
     ("trainer_adasum_iterable", "trainer_adasum"),
+    ("plain_adasum_backward", "plain_adasum"),
+    ("plain_adasum_backward", "plain_ddp"),
+    ("plain_adasum", "plain_local"),
+    ("plain_ddp", "plain_local"),
 )
 
 

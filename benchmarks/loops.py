@@ -4,6 +4,10 @@
 
 - ``plain_ddp``: a plain loop with ``DistributedDataParallel`` (the anchor of DDP users), under torchrun;
 - ``plain_adasum``: a plain loop with :class:`adasum_lightning.AdasumOptimizer`, under torchrun;
+- ``plain_adasum_backward``: a plain loop stepping and reducing bucket by bucket during backward
+  (:class:`benchmarks.backward_step.BackwardAdasum`, the design measured for issue N), under torchrun;
+- ``plain_local``: the plain loop's local steps alone, no reduction (the compute every form pays, with both
+  processes running: what the reductions add is measured against it), under torchrun;
 - ``fabric_adasum``: ``Fabric(strategy="ddp_adasum", devices=N)``, ``fabric.launch()``;
 - ``trainer_ddp``: ``Trainer(strategy="ddp", devices=N)`` (Lightning's launcher);
 - ``trainer_adasum``: ``Trainer(strategy="ddp_adasum", devices=N)`` (Lightning's launcher);
@@ -36,12 +40,15 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import adasum_lightning.step
+from benchmarks.backward_step import BackwardAdasum
 from examples.mnist_torch import MNISTCNN
 
 BATCH, LR, MOMENTUM = 64, 0.01, 0.9
 IMPLS = (
     "plain_ddp",
     "plain_adasum",
+    "plain_adasum_backward",
+    "plain_local",
     "fabric_adasum",
     "trainer_ddp",
     "trainer_adasum",
@@ -118,17 +125,26 @@ def plain_loop(impl: str, model_name: str, steps: int, clock: StepClock) -> None
     torch.manual_seed(0)
     model = make_model(model_name)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    backward_step = None
     if impl == "plain_ddp":
         model = nn.parallel.DistributedDataParallel(model)
-    else:
+    elif impl == "plain_adasum":
         optimizer = adasum_lightning.AdasumOptimizer(optimizer)
+    elif impl == "plain_adasum_backward":
+        backward_step = BackwardAdasum(list(model.parameters()), optimizer)
     data = synthetic_data(steps, world)
     sampler = DistributedSampler(data, world, rank, shuffle=True, seed=0)
     for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH, sampler=sampler)):
         clock.before_step(i)
         optimizer.zero_grad()
         F.nll_loss(model(x), y).backward()
-        optimizer.step()
+        if backward_step is not None:  # its "reduction" time: what finish() waits after backward
+            start = time.perf_counter()
+            backward_step.finish()
+            if clock.reduction.on:
+                clock.reduction.seconds += time.perf_counter() - start
+        else:
+            optimizer.step()
         clock.after_step(i)
 
 

@@ -563,6 +563,13 @@ _LOOPS_ROWS = (
     ("trainer_adasum/trainer_ddp", "Trainer `ddp_adasum` / Trainer `ddp`"),
     ("trainer_adasum_iterable/trainer_adasum", "iterable loader / sized loader under `ddp_adasum` (the "
      "uneven-inputs agreement: one small all_reduce per step)"),
+    ("plain_adasum_backward/plain_adasum", "stepping and reducing bucket by bucket during backward / the "
+     "whole step after it (`benchmarks/backward_step.py`, issue N)"),
+    ("plain_adasum_backward/plain_ddp", "the same / plain DDP loop"),
+    ("plain_adasum/plain_local", "plain Adasum loop / its local steps with no reduction (what the Adasum "
+     "allreduce costs end to end)"),
+    ("plain_ddp/plain_local", "plain DDP loop / the same local steps with no reduction (what DDP's "
+     "allreduce costs, overlap included)"),
 )  # fmt: skip
 
 
@@ -572,7 +579,10 @@ def _loops_section(loops: dict) -> list[str]:
         "## Training loops",
         "",
         "The same training in each form (`benchmarks/loops.py`): a plain `torch.distributed` loop with "
-        "`DistributedDataParallel` (`plain_ddp`) or with `AdasumOptimizer` (`plain_adasum`), both under "
+        "`DistributedDataParallel` (`plain_ddp`), with `AdasumOptimizer` (`plain_adasum`), stepping and "
+        "reducing bucket by bucket during backward (`plain_adasum_backward`, `benchmarks/backward_step.py`; "
+        "its reduction time is what is left to wait after backward) or with no reduction at all "
+        "(`plain_local`: the compute every form pays), all under "
         '`torchrun`; `Fabric(strategy="ddp_adasum")` (`fabric_adasum`); `Trainer(strategy="ddp")` '
         '(`trainer_ddp`) and `Trainer(strategy="ddp_adasum")` (`trainer_adasum`, and '
         "`trainer_adasum_iterable` with an `IterableDataset`), Lightning's launcher. Models: the example's "

@@ -1,7 +1,9 @@
 """``adasum_step`` (deltas written straight into the reduction's flat bucket, the result straight back) gives
 bitwise the parameters of the step written out the plain way (clone, subtract, ``adasum_allreduce``, add),
 on every rank, at 2, 3 and 4 ranks, for SGD with momentum and Adam, with frozen, unused, float64 and
-non-contiguous parameters (``tests/workers/step_paths.py`` under torchrun)."""
+non-contiguous parameters (``tests/workers/step_paths.py`` under torchrun). So does the step bucket by bucket
+during backward that ``make bench`` measures (``benchmarks/backward_step.py``), with several buckets
+completed in a different order on each rank."""
 
 from __future__ import annotations
 
@@ -21,4 +23,7 @@ def test_the_step_equals_the_reference_step_bitwise(np, optimizer, tmp_path):
         assert all(res["identical"].values()), (r, [k for k, same in res["identical"].items() if not same])
         names = {f"{m}.{w}" for m in ("frozen", "body", "head", "branch") for w in ("weight", "bias")}
         assert set(res["identical"]) == names | {"scale", "transposed"}
+        assert res["identical_backward"] == dict.fromkeys(res["identical"], True), r
+        # [transposed], [scale] (float64), [branch.*, head.*] (at finish where the branch is unused), [body.*]
+        assert res["buckets"] == 4, r
     assert_ranks_identical(ranks)

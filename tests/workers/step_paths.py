@@ -1,11 +1,14 @@
-"""Worker (torchrun): ``adasum_step`` against the reference step, bitwise, on every rank; OUT/rank{r}.pt.
+"""Worker (torchrun): ``adasum_step`` and the bucket-by-bucket step during backward
+(``benchmarks.backward_step``) against the reference step, bitwise, on every rank; OUT/rank{r}.pt.
 
 usage: torchrun --nproc-per-node N -m tests.workers.step_paths OUT {sgd,adam}
 
 The reference is the step written out the plain way — ``before = clone``, ``p -= before``,
 ``adasum_allreduce(deltas)`` (packs and unpacks), ``p += before`` — which every earlier version ran. Both
 run from the same parameters and optimizer state on the same local gradients for 4 steps; the model has a
-frozen layer, a branch some ranks and steps do not use, a float64 parameter and a non-contiguous one.
+frozen layer, a branch some ranks and steps do not use, a float64 parameter and a non-contiguous one. The
+backward step's buckets hold at most 300 bytes here, so the model is cut into several (the float64 one
+alone), completed in different orders on different ranks (the unused branch's only at ``finish``).
 """
 
 import copy
@@ -19,6 +22,7 @@ from torch import nn
 
 from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.step import adasum_step, broadcast_from_rank_zero, optimizer_parameters
+from benchmarks.backward_step import BackwardAdasum
 
 out, optimizer_name = Path(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")
@@ -63,8 +67,9 @@ def make(net):
 torch.manual_seed(rank)
 net = Net()
 broadcast_from_rank_zero([*net.parameters(), *net.buffers()])
-twin = copy.deepcopy(net)
-opt, twin_opt = make(net), make(twin)
+twin, hooked = copy.deepcopy(net), copy.deepcopy(net)
+opt, twin_opt, hooked_opt = make(net), make(twin), make(hooked)
+backward_step = BackwardAdasum(list(hooked.parameters()), hooked_opt, bucket_bytes=300)
 gen = torch.Generator().manual_seed(10 + rank)
 for step in range(4):
     x, y = torch.randn(6, 8, generator=gen), torch.randint(0, 4, (6,), generator=gen)
@@ -73,12 +78,24 @@ for step in range(4):
         optimizer.zero_grad()
         F.cross_entropy(model(x, use_branch), y).backward()
         run(optimizer_parameters(optimizer), optimizer.step)
+    hooked_opt.zero_grad()
+    F.cross_entropy(hooked(x, use_branch), y).backward()
+    backward_step.finish()
 identical = {
     name: torch.equal(a, b)
     for (name, a), (_, b) in zip(net.named_parameters(), twin.named_parameters(), strict=True)
 }
+identical_backward = {
+    name: torch.equal(a, b)
+    for (name, a), (_, b) in zip(hooked.named_parameters(), twin.named_parameters(), strict=True)
+}
 torch.save(
-    {"identical": identical, "end": {k: v.clone() for k, v in net.state_dict().items()}},
+    {
+        "identical": identical,
+        "identical_backward": identical_backward,
+        "buckets": len(backward_step.buckets),
+        "end": {k: v.clone() for k, v in net.state_dict().items()},
+    },
     out / f"rank{rank}.pt",
 )
 dist.destroy_process_group()

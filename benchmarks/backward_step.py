@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from adasum_lightning.allreduce import adasum_allreduce_flat
+from adasum_lightning.step import _views
 
 
 class _Bucket:
@@ -38,18 +39,12 @@ class _Bucket:
         self.before = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
         self.delta = torch.empty_like(self.before)
         self.counts = [p.numel() for p in params]
+        # per parameter, its piece of each buffer (the buffers are kept between steps, so are the views)
+        self.starts, self.deltas = _views(self.before, params), _views(self.delta, params)
         self.ids = {id(p) for p in params}
         self.arrived = 0
         self.ready = threading.Event()  # the delta is in ``delta``: the worker may reduce it
         self.done = threading.Event()  # ``before + Adasum`` is written back
-
-
-def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for t in tensors:
-        views.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return views
 
 
 class BackwardAdasum:
@@ -109,12 +104,7 @@ class BackwardAdasum:
         finally:
             for g, params in zip(groups, kept, strict=True):
                 g["params"] = params
-        for p, start, d in zip(
-            bucket.params,
-            _views(bucket.before, bucket.params),
-            _views(bucket.delta, bucket.params),
-            strict=True,
-        ):
+        for p, start, d in zip(bucket.params, bucket.starts, bucket.deltas, strict=True):
             torch.sub(p, start, out=d)
         bucket.ready.set()
 
@@ -126,10 +116,7 @@ class BackwardAdasum:
                 bucket.ready.clear()
                 try:
                     adasum_allreduce_flat(bucket.delta, bucket.counts, group=self.group)
-                    params = bucket.params
-                    for p, start, d in zip(
-                        params, _views(bucket.before, params), _views(bucket.delta, params), strict=True
-                    ):
+                    for p, start, d in zip(bucket.params, bucket.starts, bucket.deltas, strict=True):
                         torch.add(start, d, out=p.data)
                 except BaseException as error:  # noqa: BLE001  (re-raised by finish() in the main thread)
                     self._error = error

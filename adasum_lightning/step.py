@@ -3,7 +3,9 @@
 The ``ddp_adasum`` Trainer strategy, the ``ddp_adasum`` Fabric strategy and :class:`~adasum_lightning.
 AdasumOptimizer` (a plain ``torch.distributed`` loop) all update the parameters through
 :func:`adasum_step`; they differ only in what their local step is (Lightning's precision plugin and closure,
-Fabric's precision plugin, or the wrapped optimizer's ``step``). Needs ``torch`` only.
+Fabric's precision plugin, or the wrapped optimizer's ``step``). :class:`BackwardAdasumStep` gives the same
+parameters bucket by bucket during the backward pass (the Trainer's ``ddp_adasum(overlap_backward=True)``).
+Needs ``torch`` only.
 
 Semantics (Horovod 0.28.1's ``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``, taken after the
 whole backward pass): every rank runs its own optimizer step from the same parameters θ, giving
@@ -13,6 +15,7 @@ the ranks stay identical while each keeps its own optimizer state. No learning-r
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TypeVar
@@ -23,7 +26,27 @@ from torch.optim import Optimizer
 
 from adasum_lightning.allreduce import adasum_allreduce_flat, workspace
 
-__all__ = ["adasum_step", "optimizer_parameters", "broadcast_from_rank_zero", "world_size"]
+__all__ = [
+    "adasum_step",
+    "BackwardAdasumStep",
+    "PER_PARAMETER_OPTIMIZERS",
+    "optimizer_parameters",
+    "broadcast_from_rank_zero",
+    "world_size",
+]
+
+#: The ``torch.optim`` optimizers whose step updates each parameter from its own gradient and state alone, so
+#: that stepping the parameters bucket by bucket gives the parameters of one whole step, bitwise.
+PER_PARAMETER_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+)
 
 T = TypeVar("T")
 
@@ -100,6 +123,155 @@ def adasum_step(
             for p, start, d in pairs:
                 torch.add(start, d, out=p.data)
     return output
+
+
+class _Bucket:
+    """Parameters of one dtype and device, stepped and reduced together (buffers kept between steps)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.before = torch.empty(
+            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        )
+        self.delta = torch.empty_like(self.before)
+        self.counts = [p.numel() for p in params]
+        self.starts, self.deltas = _views(self.before, params), _views(self.delta, params)
+        self.ids = {id(p) for p in params}
+        self.arrived = 0  # gradients accumulated in this step
+        self.ready = threading.Event()  # the delta is in ``delta``: the worker may reduce it
+        self.done = threading.Event()  # ``before + Adasum`` is written back
+
+
+class BackwardAdasumStep:
+    """:func:`adasum_step` bucket by bucket during ``loss.backward()``, as Horovod's Adasum optimizer steps
+    parameter by parameter (``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``).
+
+    The trainable parameters of ``optimizer``, in reverse order (roughly the order backward finishes them, as
+    DDP's buckets), are cut into buckets of one dtype and device of up to ``bucket_bytes``. While
+    :attr:`armed`, the hook that runs once a bucket's last gradient is accumulated
+    (``register_post_accumulate_grad_hook``) copies the bucket into ``before``, steps ``optimizer`` on that
+    bucket alone (its param groups cut down to it for the call) and writes the deltas into the bucket's flat
+    buffer; a worker thread reduces the buckets in bucket order on ``group`` (every rank issues the same
+    exchanges in the same order, whatever order its gradients arrive in) with
+    :func:`adasum_lightning.allreduce.adasum_allreduce_flat` and writes ``before + Adasum`` back while
+    backward goes on. :meth:`finish` steps the buckets backward left
+    incomplete (unused parameters: their delta is zero) and waits for the worker.
+
+    Result: the parameters of :func:`adasum_step` bitwise, for a per-parameter optimizer
+    (:data:`PER_PARAMETER_OPTIMIZERS`) whose step needs no closure and with gradients not changed between
+    backward and the step (no clipping, no unscaling). Frozen parameters are left out (a zero delta). Memory:
+    two flat copies of the trainable parameters (``before``, deltas) plus the reduction's receive buffer.
+
+    Args:
+        optimizer: the local optimizer (not wrapped by :class:`~adasum_lightning.AdasumOptimizer`).
+        group: the process group of the reduction; the worker thread is its only user (e.g.
+            ``dist.new_group(backend=dist.get_backend())``, built on every rank).
+        bucket_bytes: the largest bucket, in bytes (a larger parameter is a bucket of its own).
+        timeout: how long one exchange waits for a peer (see :func:`adasum_lightning.adasum_allreduce`).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        group: dist.ProcessGroup,
+        bucket_bytes: int = 25 << 20,
+        timeout: timedelta | None = None,
+    ) -> None:
+        self.optimizer, self.group, self.timeout = optimizer, group, timeout
+        #: While True, a completed bucket steps and is reduced; backward passes outside a step (a gradient
+        #: accumulation window, manual backward) leave the parameters alone.
+        self.armed = True
+        trainable = [p for p in optimizer_parameters(optimizer) if p.requires_grad and p.numel()][::-1]
+        self.buckets: list[_Bucket] = []
+        current: list[torch.Tensor] = []
+        size = 0
+        for p in trainable:
+            if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in trainable]
+        self._error: BaseException | None = None
+        self._closed = False
+        self._worker = threading.Thread(target=self._reduce_in_order, name="adasum-backward", daemon=True)
+        self._worker.start()
+
+    def finish(self) -> None:
+        """Step the buckets backward left incomplete, then wait until every bucket is reduced and written.
+
+        Raises:
+            RuntimeError: from ``torch.distributed`` in the worker (a peer lost, a timeout).
+        """
+        for bucket in self.buckets:
+            if bucket.arrived < len(bucket.params):
+                self._step(bucket)
+        for bucket in self.buckets:
+            bucket.done.wait()
+            bucket.done.clear()
+            bucket.arrived = 0
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the worker thread (the buffers go with the object)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._closed = True
+        for bucket in self.buckets:
+            bucket.ready.set()
+        self._worker.join()
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.arrived += 1
+        if bucket.arrived == len(bucket.params):
+            self._step(bucket)
+
+    @torch.no_grad()
+    def _step(self, bucket: _Bucket) -> None:
+        torch.cat([p.reshape(-1) for p in bucket.params], out=bucket.before)
+        groups = self.optimizer.param_groups
+        kept = [g["params"] for g in groups]
+        for g in groups:
+            g["params"] = [p for p in g["params"] if id(p) in bucket.ids]
+        try:
+            self.optimizer.step()
+        finally:
+            for g, params in zip(groups, kept, strict=True):
+                g["params"] = params
+        for p, start, d in zip(bucket.params, bucket.starts, bucket.deltas, strict=True):
+            torch.sub(p, start, out=d)
+        bucket.arrived = len(bucket.params)
+        bucket.ready.set()
+
+    @torch.no_grad()
+    def _reduce_in_order(self) -> None:
+        while self.buckets:
+            for bucket in self.buckets:
+                bucket.ready.wait()
+                bucket.ready.clear()
+                if self._closed:
+                    return
+                try:
+                    if self._error is None:  # after a failed exchange the peers are not in step any more
+                        adasum_allreduce_flat(
+                            bucket.delta, bucket.counts, group=self.group, timeout=self.timeout
+                        )
+                        for p, start, d in zip(bucket.params, bucket.starts, bucket.deltas, strict=True):
+                            torch.add(start, d, out=p.data)
+                except BaseException as error:  # noqa: BLE001  (raised again by finish() in the main thread)
+                    self._error = error
+                bucket.done.set()
 
 
 def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

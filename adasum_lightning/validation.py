@@ -521,3 +521,66 @@ def scaled_learning_rate_message(strategy_name: str, factor: float) -> str:
         f"configure_optimizers returns (a Tuner.lr_find suggestion included) train {factor:g}× larger. Pass "
         f"lr_scaling='none' to train with them as they are."
     )
+
+
+def check_overlap_backward(overlap_backward: object, bucket_cap_mb: object, strategy_name: str) -> None:
+    """``overlap_backward`` is a bool and ``bucket_cap_mb`` a positive number of megabytes (MiB).
+
+    Raises:
+        ValueError: either is off; the message names the accepted values.
+    """
+    if not isinstance(overlap_backward, bool):
+        raise ValueError(
+            f"{strategy_name}'s overlap_backward is True (step and reduce bucket by bucket during the "
+            f"backward pass) or False (the whole step after it), got {overlap_backward!r}"
+        )
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float) or not bucket_cap_mb > 0:
+        raise ValueError(
+            f"{strategy_name}'s bucket_cap_mb is the largest bucket in MiB, a positive number such as 25 "
+            f"(DDP's default), got {bucket_cap_mb!r}"
+        )
+
+
+def overlap_fallback_reason(
+    *,
+    automatic_optimization: bool,
+    optimizer: str,
+    per_parameter: bool,
+    gradient_clipping: str | None,
+    gradient_scaler: bool,
+    precision_plugin: str | None,
+    before_step_hooks: Sequence[str],
+) -> str | None:
+    """Why ``overlap_backward=True`` must take the whole step after backward for this optimizer, or None.
+
+    Stepping a bucket as soon as its gradients are accumulated gives the whole step's parameters only when
+    nothing between backward and the step needs all gradients or the parameters as they were.
+
+    Args:
+        automatic_optimization: the LightningModule's ``automatic_optimization``.
+        optimizer: the optimizer's class name; ``per_parameter``: whether it is one of
+            :data:`adasum_lightning.step.PER_PARAMETER_OPTIMIZERS` (each parameter's step from its own
+            gradient and state, no closure).
+        gradient_clipping: how gradients are clipped (e.g. ``"gradient_clip_val=1.0"``); None: not clipped.
+        gradient_scaler: fp16 mixed precision's ``GradScaler`` unscales and checks every gradient first.
+        precision_plugin: the precision plugin's class name when it runs the optimizer step its own way
+            (other than ``Precision``'s and ``MixedPrecision``'s), else None.
+        before_step_hooks: the callbacks (or the module) that override ``on_before_optimizer_step``.
+    """
+    if not automatic_optimization:
+        return "manual optimization calls backward and step itself"
+    if not per_parameter:
+        return (
+            f"{optimizer} is not one of the per-parameter torch.optim optimizers (SGD, Adam, AdamW, Adagrad, "
+            "Adamax, NAdam, RAdam, RMSprop)"
+        )
+    if gradient_clipping is not None:
+        return f"gradient clipping ({gradient_clipping}) needs every gradient before the first bucket steps"
+    if gradient_scaler:
+        return "fp16 mixed precision's GradScaler checks every gradient before the step (bf16 has no scaler)"
+    if precision_plugin is not None:
+        return f"the precision plugin {precision_plugin} runs the optimizer step its own way"
+    if before_step_hooks:
+        hooks = ", ".join(before_step_hooks)
+        return f"on_before_optimizer_step of {hooks} must see the parameters as they were before the step"
+    return None

@@ -200,6 +200,8 @@ LOOPS_RATIOS = (
     ("trainer_ddp", "plain_ddp"),
     ("plain_adasum", "plain_ddp"),
     ("trainer_adasum", "trainer_ddp"),
+    ("trainer_adasum_overlap", "trainer_ddp"),
+    ("trainer_adasum_overlap", "trainer_adasum"),
     ("trainer_adasum_iterable", "trainer_adasum"),
     ("plain_adasum_backward", "plain_adasum"),
     ("plain_adasum_backward", "plain_ddp"),

@@ -5,12 +5,14 @@
 - ``plain_ddp``: a plain loop with ``DistributedDataParallel`` (the anchor of DDP users), under torchrun;
 - ``plain_adasum``: a plain loop with :class:`adasum_lightning.AdasumOptimizer`, under torchrun;
 - ``plain_adasum_backward``: a plain loop stepping and reducing bucket by bucket during backward
-  (:class:`benchmarks.backward_step.BackwardAdasum`, the design measured for issue N), under torchrun;
+  (:class:`adasum_lightning.step.BackwardAdasumStep`), under torchrun;
 - ``plain_local``: the plain loop's local steps alone, no reduction (the compute every form pays, with both
   processes running: what the reductions add is measured against it), under torchrun;
 - ``fabric_adasum``: ``Fabric(strategy="ddp_adasum", devices=N)``, ``fabric.launch()``;
 - ``trainer_ddp``: ``Trainer(strategy="ddp", devices=N)`` (Lightning's launcher);
 - ``trainer_adasum``: ``Trainer(strategy="ddp_adasum", devices=N)`` (Lightning's launcher);
+- ``trainer_adasum_overlap``: ``Trainer(strategy=DDPAdasumStrategy(overlap_backward=True))``: bucket by
+  bucket during backward;
 - ``trainer_adasum_iterable``: the same with an ``IterableDataset`` (equal shards): the uneven-inputs
   agreement then costs one small all_reduce per step (:mod:`adasum_lightning.uneven`).
 
@@ -18,7 +20,8 @@
 ``mlp`` (784 → 4 × 2048 → 10, ReLU, 14.2 M parameters, 57 MB float32). Synthetic data held in memory
 (MNIST-shaped, batch 64 per process, a ``DistributedSampler`` shard per rank), SGD lr 0.01 momentum 0.9, one
 intra-op thread per process, Gloo. Rank 0 times the steps from step ``--skip`` to the end; every rank's peak
-RSS and (Adasum forms) the time spent in ``adasum_allreduce`` per step are gathered.
+RSS and (Adasum forms) the time spent in ``adasum_allreduce`` per step are gathered (bucket by bucket
+during backward: the time left to wait for the reductions after backward).
 
 usage: torchrun --nproc-per-node N -m benchmarks.loops OUT.json --impl plain_ddp|plain_adasum --model M
        python -m benchmarks.loops OUT.json --impl fabric_adasum|trainer_ddp|trainer_adasum --devices N ...
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import adasum_lightning.step
-from benchmarks.backward_step import BackwardAdasum
+from adasum_lightning.step import BackwardAdasumStep
 from examples.mnist_torch import MNISTCNN
 
 BATCH, LR, MOMENTUM = 64, 0.01, 0.9
@@ -52,6 +56,7 @@ IMPLS = (
     "fabric_adasum",
     "trainer_ddp",
     "trainer_adasum",
+    "trainer_adasum_overlap",
     "trainer_adasum_iterable",
 )
 
@@ -84,22 +89,27 @@ class Shard(IterableDataset):
 
 
 class ReductionTimer:
-    """Wraps the Adasum allreduce the step calls (``adasum_allreduce_flat``) and adds up its wall time
-    (seconds) while ``on``."""
+    """Adds up the wall time (seconds, while ``on``) the main thread spends in the Adasum allreduce of the
+    whole step (``adasum_allreduce_flat``) or waiting for the reductions after backward
+    (``BackwardAdasumStep.finish``; its worker thread's reductions overlap backward and are not counted)."""
 
     def __init__(self) -> None:
         self.seconds, self.on = 0.0, False
-        original = adasum_lightning.step.adasum_allreduce_flat
+        self._wrap(adasum_lightning.step, "adasum_allreduce_flat")
+        self._wrap(BackwardAdasumStep, "finish")
+
+    def _wrap(self, owner: object, name: str) -> None:
+        original = getattr(owner, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                if self.on:
+                if self.on and threading.current_thread() is threading.main_thread():
                     self.seconds += time.perf_counter() - start
 
-        adasum_lightning.step.adasum_allreduce_flat = timed
+        setattr(owner, name, timed)
 
 
 class StepClock:
@@ -131,18 +141,15 @@ def plain_loop(impl: str, model_name: str, steps: int, clock: StepClock) -> None
     elif impl == "plain_adasum":
         optimizer = adasum_lightning.AdasumOptimizer(optimizer)
     elif impl == "plain_adasum_backward":
-        backward_step = BackwardAdasum(list(model.parameters()), optimizer)
+        backward_step = BackwardAdasumStep(optimizer, dist.new_group(backend="gloo"))
     data = synthetic_data(steps, world)
     sampler = DistributedSampler(data, world, rank, shuffle=True, seed=0)
     for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH, sampler=sampler)):
         clock.before_step(i)
         optimizer.zero_grad()
         F.nll_loss(model(x), y).backward()
-        if backward_step is not None:  # its "reduction" time: what finish() waits after backward
-            start = time.perf_counter()
+        if backward_step is not None:
             backward_step.finish()
-            if clock.reduction.on:
-                clock.reduction.seconds += time.perf_counter() - start
         else:
             optimizer.step()
         clock.after_step(i)
@@ -196,9 +203,12 @@ def trainer_loop(impl: str, model_name: str, steps: int, devices: int, clock: St
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             clock.after_step(batch_idx)
 
+    from adasum_lightning.trainer import DDPAdasumStrategy
+
+    strategy = {"trainer_ddp": "ddp", "trainer_adasum_overlap": DDPAdasumStrategy(overlap_backward=True)}
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        strategy="ddp" if impl == "trainer_ddp" else "ddp_adasum",
+        strategy=strategy.get(impl, "ddp_adasum"),
         use_distributed_sampler=impl != "trainer_adasum_iterable",
         accelerator="cpu",
         devices=devices,

@@ -561,10 +561,13 @@ _LOOPS_ROWS = (
     ("trainer_ddp/plain_ddp", "Trainer `ddp` / plain DDP loop (the Trainer's own overhead, for comparison)"),
     ("plain_adasum/plain_ddp", "plain Adasum loop / plain DDP loop"),
     ("trainer_adasum/trainer_ddp", "Trainer `ddp_adasum` / Trainer `ddp`"),
+    ("trainer_adasum_overlap/trainer_ddp", "Trainer `ddp_adasum(overlap_backward=True)` / Trainer `ddp`"),
+    ("trainer_adasum_overlap/trainer_adasum", "Trainer `ddp_adasum`: bucket by bucket during backward / the "
+     "whole step after it"),
     ("trainer_adasum_iterable/trainer_adasum", "iterable loader / sized loader under `ddp_adasum` (the "
      "uneven-inputs agreement: one small all_reduce per step)"),
-    ("plain_adasum_backward/plain_adasum", "stepping and reducing bucket by bucket during backward / the "
-     "whole step after it (`benchmarks/backward_step.py`, issue N)"),
+    ("plain_adasum_backward/plain_adasum", "plain loop: bucket by bucket during backward "
+     "(`BackwardAdasumStep`) / the whole step after it (`AdasumOptimizer`)"),
     ("plain_adasum_backward/plain_ddp", "the same / plain DDP loop"),
     ("plain_adasum/plain_local", "plain Adasum loop / its local steps with no reduction (what the Adasum "
      "allreduce costs end to end)"),
@@ -580,12 +583,14 @@ def _loops_section(loops: dict) -> list[str]:
         "",
         "The same training in each form (`benchmarks/loops.py`): a plain `torch.distributed` loop with "
         "`DistributedDataParallel` (`plain_ddp`), with `AdasumOptimizer` (`plain_adasum`), stepping and "
-        "reducing bucket by bucket during backward (`plain_adasum_backward`, `benchmarks/backward_step.py`; "
-        "its reduction time is what is left to wait after backward) or with no reduction at all "
+        "reducing bucket by bucket during backward (`plain_adasum_backward`, "
+        "`adasum_lightning.step.BackwardAdasumStep`) or with no reduction at all "
         "(`plain_local`: the compute every form pays), all under "
         '`torchrun`; `Fabric(strategy="ddp_adasum")` (`fabric_adasum`); `Trainer(strategy="ddp")` '
-        '(`trainer_ddp`) and `Trainer(strategy="ddp_adasum")` (`trainer_adasum`, and '
-        "`trainer_adasum_iterable` with an `IterableDataset`), Lightning's launcher. Models: the example's "
+        '(`trainer_ddp`) and `Trainer(strategy="ddp_adasum")` (`trainer_adasum`; '
+        "`trainer_adasum_overlap` with `overlap_backward=True`; `trainer_adasum_iterable` with an "
+        "`IterableDataset`), Lightning's launcher. Bucket by bucket during backward, the reduction time is "
+        "what is left to wait for after backward. Models: the example's "
         "CNN (21,840 parameters) and an MLP 784 → 4 × 2048 → 10 (14.2 M parameters, 57 MB); synthetic "
         "MNIST-shaped data in memory, batch 64 per process, SGD lr 0.01 momentum 0.9, Gloo, one thread per "
         "process. "

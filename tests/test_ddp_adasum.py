@@ -6,6 +6,7 @@ checks every rank against a reference computed here in one process.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -270,3 +271,31 @@ def test_a_world_size_that_the_trainer_does_not_describe_is_refused(tmp_path):
     for rank, (returncode, out) in enumerate(results):
         assert returncode != 0
         assert f"AdasumConfigurationError on rank {rank}: {message}" in out, out[-3000:]
+
+
+# ---------------------------------------------------------------- overlap_backward=True
+@pytest.mark.parametrize(
+    ("np", "optimizer", "accumulate"), [(2, "sgd", 1), (2, "adam", 2), (3, "adam", 1), (4, "sgd", 2)]
+)
+def test_overlap_backward_gives_the_whole_steps_parameters_bitwise(np, optimizer, accumulate, tmp_path):
+    result = run_torchrun(np, "overlap", str(tmp_path), optimizer, str(accumulate))
+    ranks = load_ranks(tmp_path, np)
+    batches = math.ceil(math.ceil(64 / np) / 4)  # per rank and epoch (the sampler pads to equal shards)
+    for r, res in enumerate(ranks):
+        assert res["buckets"] == [3], r  # the overlap fit stepped bucket by bucket, in three buckets
+        assert res["fallback_buckets"] == [None], r
+        assert res["steps"][0] == res["steps"][1] == 2 * math.ceil(batches / accumulate), r
+        for name, tensor in res["whole"].items():
+            assert torch.equal(res["overlap"][name], tensor), (r, name)
+            assert torch.equal(res["fallback"][name], tensor), (r, name)
+    assert_ranks_identical(ranks, "overlap")
+    start = ranks[0]["start"]
+    assert torch.equal(ranks[0]["overlap"]["frozen.weight"], start["frozen.weight"])
+    assert not torch.equal(ranks[0]["overlap"]["net.0.weight"], start["net.0.weight"])  # trained
+    name = "Adam" if optimizer == "adam" else "SGD"
+    reason = (
+        f"DDPAdasumStrategy: overlap_backward: {name} takes the whole step after backward, "
+        "because gradient clipping (gradient_clip_val=1000000000.0) needs every gradient before the first "
+        "bucket steps"
+    )
+    assert (result.stdout + result.stderr).count(reason) == 1  # rank 0, once in that fit

@@ -2,7 +2,7 @@
 bitwise the parameters of the step written out the plain way (clone, subtract, ``adasum_allreduce``, add),
 on every rank, at 2, 3 and 4 ranks, for SGD with momentum and Adam, with frozen, unused, float64 and
 non-contiguous parameters (``tests/workers/step_paths.py`` under torchrun). So does the step bucket by bucket
-during backward that ``make bench`` measures (``benchmarks/backward_step.py``), with several buckets
+during backward (``BackwardAdasumStep``, ``ddp_adasum(overlap_backward=True)``), with several buckets
 completed in a different order on each rank."""
 
 from __future__ import annotations

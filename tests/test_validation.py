@@ -1,5 +1,6 @@
 """The setup rules (adasum_lightning.validation) as pure functions, and as Trainer.fit refuses them."""
 
+import re
 import subprocess
 import sys
 
@@ -20,11 +21,13 @@ from adasum_lightning.validation import (
     check_launcher_world_size,
     check_module_unwrapped,
     check_nccl_topology,
+    check_overlap_backward,
     check_precision,
     check_single_device,
     check_sync_batchnorm,
     check_world_size,
     nearest_powers_of_two,
+    overlap_fallback_reason,
 )
 from tests.helpers import mpi_env, quick_fit
 from tests.workers.lightning import HorovodAdasumStrategy, HorovodStrategy, pl
@@ -297,3 +300,65 @@ def test_closure_dtype_batchnorm_and_world_size_rules():
         check_launcher_world_size(8, 4, 1)
     with pytest.raises(AdasumConfigurationError, match=r"^ddp_adasum: .* Set Fabric\(devices=<processes per"):
         check_launcher_world_size(8, 4, 1, api="Fabric")
+
+
+# ---------------------------------------------------------------- ddp_adasum(overlap_backward=True)
+OVERLAP_OK = dict(
+    automatic_optimization=True,
+    optimizer="SGD",
+    per_parameter=True,
+    gradient_clipping=None,
+    gradient_scaler=False,
+    precision_plugin=None,
+    before_step_hooks=[],
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({}, None),
+        ({"automatic_optimization": False}, "manual optimization calls backward and step itself"),
+        (
+            {"optimizer": "LBFGS", "per_parameter": False},
+            "LBFGS is not one of the per-parameter torch.optim optimizers (SGD, Adam, AdamW, Adagrad, "
+            "Adamax, NAdam, RAdam, RMSprop)",
+        ),
+        (
+            {"gradient_clipping": "gradient_clip_val=0.5"},
+            "gradient clipping (gradient_clip_val=0.5) needs every gradient before the first bucket steps",
+        ),
+        (
+            {"gradient_scaler": True},
+            "fp16 mixed precision's GradScaler checks every gradient before the step (bf16 has no scaler)",
+        ),
+        (
+            {"precision_plugin": "FSDPPrecision"},
+            "the precision plugin FSDPPrecision runs the optimizer step its own way",
+        ),
+        (
+            {"before_step_hooks": ["GradNormLogger", "Net"]},
+            "on_before_optimizer_step of GradNormLogger, Net must see the parameters as they were before "
+            "the step",
+        ),
+    ],
+)
+def test_overlap_fallback_rule(change, reason):
+    assert overlap_fallback_reason(**{**OVERLAP_OK, **change}) == reason
+
+
+@pytest.mark.parametrize(
+    ("overlap", "cap", "message"),
+    [
+        ("yes", 25, "ddp_adasum's overlap_backward is True (step and reduce bucket by bucket during the "
+                    "backward pass) or False (the whole step after it), got 'yes'"),
+        (True, 0, "ddp_adasum's bucket_cap_mb is the largest bucket in MiB, a positive number such as 25 "
+                  "(DDP's default), got 0"),
+        (True, "25", "got '25'"),
+        (True, True, "got True"),
+    ],
+)  # fmt: skip
+def test_overlap_options_rule(overlap, cap, message):
+    check_overlap_backward(False, 0.5, "ddp_adasum")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_overlap_backward(overlap, cap, "ddp_adasum")

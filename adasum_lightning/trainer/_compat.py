@@ -33,6 +33,7 @@ __all__ = [
     "layer_sync",
     "process_group_timeout",
     "has_sigterm_agreement",
+    "run_closure",
     "is_horovod_adasum_optimizer",
     "horovod_completes_window",
     "horovod_requires_update",
@@ -76,6 +77,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "LightningOptimizer",
         "pytorch-lightning 2.4.0, 2.6.6",
         ("self._optimizer",),
+    ),
+    # The closure with the hooks that follow it (on_before_optimizer_step, gradient clipping), without the
+    # optimizer's step: ddp_adasum(overlap_backward=True) steps bucket by bucket during backward instead.
+    PrivateApi(
+        "pytorch_lightning.plugins.precision.precision",
+        "Precision",
+        "pytorch-lightning 2.4.0, 2.6.6",
+        attributes=("def _wrap_closure", "self._after_closure(model, optimizer)"),
     ),
     # Rank 0's SIGTERM broadcast at every training batch: all ranks stop at the same step.
     PrivateApi(
@@ -143,6 +152,13 @@ def process_group_timeout(strategy: Any) -> Any:
 def unwrap_lightning_optimizer(optimizer: Any) -> Optimizer:
     """The optimizer inside a ``LightningOptimizer`` (the argument itself otherwise)."""
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+def run_closure(precision_plugin: Any, model: Any, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
+    """What the precision plugin's ``optimizer_step`` runs before the optimizer's own step: the closure
+    (forward, backward), then ``on_before_optimizer_step`` and gradient clipping; returns the closure's
+    result."""
+    return precision_plugin._wrap_closure(model, optimizer, closure)
 
 
 def has_sigterm_agreement() -> bool:

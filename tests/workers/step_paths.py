@@ -1,5 +1,5 @@
 """Worker (torchrun): ``adasum_step`` and the bucket-by-bucket step during backward
-(``benchmarks.backward_step``) against the reference step, bitwise, on every rank; OUT/rank{r}.pt.
+(``BackwardAdasumStep``) against the reference step, bitwise, on every rank; OUT/rank{r}.pt.
 
 usage: torchrun --nproc-per-node N -m tests.workers.step_paths OUT {sgd,adam}
 
@@ -21,8 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from adasum_lightning.allreduce import adasum_allreduce
-from adasum_lightning.step import adasum_step, broadcast_from_rank_zero, optimizer_parameters
-from benchmarks.backward_step import BackwardAdasum
+from adasum_lightning.step import (
+    BackwardAdasumStep,
+    adasum_step,
+    broadcast_from_rank_zero,
+    optimizer_parameters,
+)
 
 out, optimizer_name = Path(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")
@@ -69,7 +73,7 @@ net = Net()
 broadcast_from_rank_zero([*net.parameters(), *net.buffers()])
 twin, hooked = copy.deepcopy(net), copy.deepcopy(net)
 opt, twin_opt, hooked_opt = make(net), make(twin), make(hooked)
-backward_step = BackwardAdasum(list(hooked.parameters()), hooked_opt, bucket_bytes=300)
+backward_step = BackwardAdasumStep(hooked_opt, dist.new_group(backend="gloo"), bucket_bytes=300)
 gen = torch.Generator().manual_seed(10 + rank)
 for step in range(4):
     x, y = torch.randn(6, 8, generator=gen), torch.randint(0, 4, (6,), generator=gen)

@@ -15,8 +15,9 @@ the ranks stay identical while each keeps its own optimizer state. No learning-r
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
@@ -81,12 +82,15 @@ def adasum_step(
     step; a rank whose local step changes nothing (a step skipped by a gradient scaler, a parameter without a
     gradient) contributes a zero delta, which Adasum leaves out.
 
-    Three passes over the parameters, into buffers kept between steps (per thread, dtype and device, like the
-    reduction's own; :func:`adasum_lightning.allreduce.release_workspace` frees them): ``θ_before`` is packed
-    into one flat buffer before the local step; after it the deltas are written straight into the flat bucket
-    the reduction works on (:func:`adasum_lightning.allreduce.adasum_allreduce_flat`); the result is written
-    straight back as ``θ_before + Adasum``. Memory: two flat copies of ``params`` (``θ_before``, the deltas)
-    plus the reduction's receive buffer (half a copy, or a whole one below the tree threshold).
+    Three passes over the parameters, and one flat buffer per dtype and device kept between steps (per thread,
+    like the reduction's own; :func:`adasum_lightning.allreduce.release_workspace` frees them): the parameters
+    are copied into the buffer and, for the local step, each parameter's ``.data`` is its piece of it, so the
+    step updates the copy while the parameters' own storage keeps ``θ_before``; the deltas are then written
+    over the copy in place (the flat bucket :func:`adasum_lightning.allreduce.adasum_allreduce_flat` works
+    on), and ``θ_before + Adasum`` into the parameters' own storage. The arithmetic is the plain step's
+    (``θ_after − θ_before``, ``θ_before + Adasum``), so the parameters are the same bitwise. Memory: one flat
+    copy of ``params`` plus the reduction's receive buffer (half a copy, or a whole one below the tree
+    threshold). The optimizer's state is keyed by the parameter objects, which stay the same.
 
     Args:
         params: the parameters the local step may change (floating-point; any layout).
@@ -105,41 +109,39 @@ def adasum_step(
     for p in params:
         if p.numel():
             buckets.setdefault((p.dtype, p.device), []).append(p)
-    starts = {}
-    with torch.no_grad():
+    with contextlib.ExitStack() as stack:
+        swapped = []
         for (dtype, device), bucket in buckets.items():
-            before = workspace(sum(p.numel() for p in bucket), dtype, device, "step-before")
-            torch.cat([p.detach().reshape(-1) for p in bucket], out=before)
-            starts[dtype, device] = before
-    output = local_step()
+            work = workspace(sum(p.numel() for p in bucket), dtype, device, "step-work")
+            pieces = _views(work, bucket)
+            own = stack.enter_context(_stepping_on_copy(bucket, work, pieces))
+            swapped.append((bucket, own, pieces, work))
+        output = local_step()
     with torch.no_grad():
-        for key, bucket in buckets.items():
-            before = starts[key]
-            delta = workspace(before.numel(), key[0], key[1], "step-delta")
-            pairs = list(zip(bucket, _views(before, bucket), _views(delta, bucket), strict=True))
-            for p, start, d in pairs:
-                torch.sub(p.detach(), start, out=d)
-            adasum_allreduce_flat(delta, [p.numel() for p in bucket], group=group, timeout=timeout)
-            for p, start, d in pairs:
-                torch.add(start, d, out=p.data)
+        for bucket, own, pieces, work in swapped:
+            for start, piece in zip(own, pieces, strict=True):
+                torch.sub(piece, start, out=piece)  # θ_after − θ_before
+            adasum_allreduce_flat(work, [p.numel() for p in bucket], group=group, timeout=timeout)
+            for start, piece in zip(own, pieces, strict=True):
+                torch.add(start, piece, out=start)
     return output
 
 
 class _Bucket:
-    """Parameters of one dtype and device, stepped and reduced together (buffers kept between steps)."""
+    """Parameters of one dtype and device, stepped and reduced together (buffer kept between steps)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.before = torch.empty(
+        self.work = torch.empty(
             sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
         )
-        self.delta = torch.empty_like(self.before)
         self.counts = [p.numel() for p in params]
-        self.starts, self.deltas = _views(self.before, params), _views(self.delta, params)
+        self.pieces = _views(self.work, params)
+        self.own: list[torch.Tensor] = []  # the parameters' own storage (θ_before) while in flight
         self.ids = {id(p) for p in params}
         self.arrived = 0  # gradients accumulated in this step
-        self.ready = threading.Event()  # the delta is in ``delta``: the worker may reduce it
-        self.done = threading.Event()  # ``before + Adasum`` is written back
+        self.ready = threading.Event()  # the deltas are in ``work``: the worker may reduce them
+        self.done = threading.Event()  # ``θ_before + Adasum`` is written back
 
 
 class BackwardAdasumStep:
@@ -149,18 +151,18 @@ class BackwardAdasumStep:
     The trainable parameters of ``optimizer``, in reverse order (roughly the order backward finishes them, as
     DDP's buckets), are cut into buckets of one dtype and device of up to ``bucket_bytes``. While
     :attr:`armed`, the hook that runs once a bucket's last gradient is accumulated
-    (``register_post_accumulate_grad_hook``) copies the bucket into ``before``, steps ``optimizer`` on that
-    bucket alone (its param groups cut down to it for the call) and writes the deltas into the bucket's flat
-    buffer; a worker thread reduces the buckets in bucket order on ``group`` (every rank issues the same
-    exchanges in the same order, whatever order its gradients arrive in) with
-    :func:`adasum_lightning.allreduce.adasum_allreduce_flat` and writes ``before + Adasum`` back while
-    backward goes on. :meth:`finish` steps the buckets backward left
-    incomplete (unused parameters: their delta is zero) and waits for the worker.
+    (``register_post_accumulate_grad_hook``) steps ``optimizer`` on that bucket alone (its param groups cut
+    down to it for the call) as :func:`adasum_step` steps — on a copy in the bucket's flat buffer, the
+    parameters' own storage keeping ``θ_before`` — and writes the deltas over the copy; a worker thread
+    reduces the buckets in bucket order on ``group`` (every rank issues the same exchanges in the same order,
+    whatever order its gradients arrive in) with :func:`adasum_lightning.allreduce.adasum_allreduce_flat`
+    and writes ``θ_before + Adasum`` back while backward goes on. :meth:`finish` steps the buckets backward
+    left incomplete (unused parameters: their delta is zero) and waits for the worker.
 
     Result: the parameters of :func:`adasum_step` bitwise, for a per-parameter optimizer
     (:data:`PER_PARAMETER_OPTIMIZERS`) whose step needs no closure and with gradients not changed between
     backward and the step (no clipping, no unscaling). Frozen parameters are left out (a zero delta). Memory:
-    two flat copies of the trainable parameters (``before``, deltas) plus the reduction's receive buffer.
+    one flat copy of the trainable parameters plus the reduction's receive buffer (half the largest bucket).
 
     Args:
         optimizer: the local optimizer (not wrapped by :class:`~adasum_lightning.AdasumOptimizer`).
@@ -239,18 +241,18 @@ class BackwardAdasumStep:
 
     @torch.no_grad()
     def _step(self, bucket: _Bucket) -> None:
-        torch.cat([p.reshape(-1) for p in bucket.params], out=bucket.before)
         groups = self.optimizer.param_groups
         kept = [g["params"] for g in groups]
         for g in groups:
             g["params"] = [p for p in g["params"] if id(p) in bucket.ids]
         try:
-            self.optimizer.step()
+            with _stepping_on_copy(bucket.params, bucket.work, bucket.pieces) as bucket.own:
+                self.optimizer.step()
         finally:
             for g, params in zip(groups, kept, strict=True):
                 g["params"] = params
-        for p, start, d in zip(bucket.params, bucket.starts, bucket.deltas, strict=True):
-            torch.sub(p, start, out=d)
+        for start, piece in zip(bucket.own, bucket.pieces, strict=True):
+            torch.sub(piece, start, out=piece)  # θ_after − θ_before
         bucket.arrived = len(bucket.params)
         bucket.ready.set()
 
@@ -265,13 +267,33 @@ class BackwardAdasumStep:
                 try:
                     if self._error is None:  # after a failed exchange the peers are not in step any more
                         adasum_allreduce_flat(
-                            bucket.delta, bucket.counts, group=self.group, timeout=self.timeout
+                            bucket.work, bucket.counts, group=self.group, timeout=self.timeout
                         )
-                        for p, start, d in zip(bucket.params, bucket.starts, bucket.deltas, strict=True):
-                            torch.add(start, d, out=p.data)
+                        for start, piece in zip(bucket.own, bucket.pieces, strict=True):
+                            torch.add(start, piece, out=start)
                 except BaseException as error:  # noqa: BLE001  (raised again by finish() in the main thread)
                     self._error = error
                 bucket.done.set()
+
+
+@contextlib.contextmanager
+def _stepping_on_copy(
+    params: list[torch.Tensor], work: torch.Tensor, pieces: list[torch.Tensor]
+) -> Iterator[list[torch.Tensor]]:
+    """Copy ``params`` into the flat buffer ``work`` and, inside the block, make each parameter's ``.data``
+    its piece of it (``pieces``: ``work`` cut like ``params``); yields the parameters' own storage, which
+    keeps the values from before the block. On leaving (also by an exception) the parameters get their own
+    storage back; ``work`` then holds the values the block left."""
+    with torch.no_grad():
+        torch.cat([p.detach().reshape(-1) for p in params], out=work)
+    own = [p.data for p in params]
+    try:
+        for p, piece in zip(params, pieces, strict=True):
+            p.data = piece
+        yield own
+    finally:
+        for p, start in zip(params, own, strict=True):
+            p.data = start
 
 
 def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -202,6 +202,8 @@ LOOPS_RATIOS = (
     ("trainer_adasum", "trainer_ddp"),
     ("trainer_adasum_overlap", "trainer_ddp"),
     ("trainer_adasum_overlap", "trainer_adasum"),
+    ("trainer_horovod_adasum", "trainer_ddp"),
+    ("trainer_adasum", "trainer_horovod_adasum"),
     ("trainer_adasum_iterable", "trainer_adasum"),
     ("plain_adasum_backward", "plain_adasum"),
     ("plain_adasum_backward", "plain_ddp"),
@@ -231,6 +233,8 @@ def loops(cfg: dict, out_dir: Path) -> dict:
         load = os.getloadavg()
         if impl.startswith("plain"):
             wall, command = torchrun(n, args, log=log), command_line(n, args, "torchrun")
+        elif impl == "trainer_horovod_adasum":
+            wall, command = horovodrun(n, args, log=log), command_line(n, args)
         else:
             args += ["--devices", str(n)]
             wall, command = lightning_launch(args, log=log), command_line(n, args, "lightning")

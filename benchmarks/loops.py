@@ -13,6 +13,8 @@
 - ``trainer_adasum``: ``Trainer(strategy="ddp_adasum", devices=N)`` (Lightning's launcher);
 - ``trainer_adasum_overlap``: ``Trainer(strategy=DDPAdasumStrategy(overlap_backward=True))``: bucket by
   bucket during backward;
+- ``trainer_horovod_adasum``: ``Trainer(strategy="horovod_adasum")`` under ``horovodrun -np N`` (Horovod's
+  Adasum optimizer, which steps and reduces parameter by parameter during backward; no reduction time);
 - ``trainer_adasum_iterable``: the same with an ``IterableDataset`` (equal shards): the uneven-inputs
   agreement then costs one small all_reduce per step (:mod:`adasum_lightning.uneven`).
 
@@ -25,6 +27,7 @@ during backward: the time left to wait for the reductions after backward).
 
 usage: torchrun --nproc-per-node N -m benchmarks.loops OUT.json --impl plain_ddp|plain_adasum --model M
        python -m benchmarks.loops OUT.json --impl fabric_adasum|trainer_ddp|trainer_adasum --devices N ...
+       horovodrun -np N python -m benchmarks.loops OUT.json --impl trainer_horovod_adasum --model M
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ IMPLS = (
     "trainer_ddp",
     "trainer_adasum",
     "trainer_adasum_overlap",
+    "trainer_horovod_adasum",
     "trainer_adasum_iterable",
 )
 
@@ -178,6 +182,9 @@ def trainer_loop(impl: str, model_name: str, steps: int, devices: int, clock: St
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
 
+    horovod = impl == "trainer_horovod_adasum"  # horovodrun starts a process per rank, each with one device
+    world = int(os.environ["OMPI_COMM_WORLD_SIZE"]) if horovod else devices
+
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -191,9 +198,9 @@ def trainer_loop(impl: str, model_name: str, steps: int, devices: int, clock: St
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
         def train_dataloader(self):
-            data = synthetic_data(steps, devices)
+            data = synthetic_data(steps, world)
             if impl == "trainer_adasum_iterable":
-                return DataLoader(Shard(data, self.global_rank, devices), batch_size=BATCH)
+                return DataLoader(Shard(data, self.global_rank, world), batch_size=BATCH)
             return DataLoader(data, batch_size=BATCH, shuffle=True)
 
     class Clock(Callback):
@@ -205,13 +212,17 @@ def trainer_loop(impl: str, model_name: str, steps: int, devices: int, clock: St
 
     from adasum_lightning.trainer import DDPAdasumStrategy
 
-    strategy = {"trainer_ddp": "ddp", "trainer_adasum_overlap": DDPAdasumStrategy(overlap_backward=True)}
+    strategy = {
+        "trainer_ddp": "ddp",
+        "trainer_adasum_overlap": DDPAdasumStrategy(overlap_backward=True),
+        "trainer_horovod_adasum": "horovod_adasum",
+    }
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         strategy=strategy.get(impl, "ddp_adasum"),
         use_distributed_sampler=impl != "trainer_adasum_iterable",
         accelerator="cpu",
-        devices=devices,
+        devices=1 if horovod else devices,
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,

@@ -564,6 +564,8 @@ _LOOPS_ROWS = (
     ("trainer_adasum_overlap/trainer_ddp", "Trainer `ddp_adasum(overlap_backward=True)` / Trainer `ddp`"),
     ("trainer_adasum_overlap/trainer_adasum", "Trainer `ddp_adasum`: bucket by bucket during backward / the "
      "whole step after it"),
+    ("trainer_horovod_adasum/trainer_ddp", "Trainer `horovod_adasum` (under `horovodrun`) / Trainer `ddp`"),
+    ("trainer_adasum/trainer_horovod_adasum", "Trainer `ddp_adasum` / Trainer `horovod_adasum`"),
     ("trainer_adasum_iterable/trainer_adasum", "iterable loader / sized loader under `ddp_adasum` (the "
      "uneven-inputs agreement: one small all_reduce per step)"),
     ("plain_adasum_backward/plain_adasum", "plain loop: bucket by bucket during backward "
@@ -589,7 +591,8 @@ def _loops_section(loops: dict) -> list[str]:
         '`torchrun`; `Fabric(strategy="ddp_adasum")` (`fabric_adasum`); `Trainer(strategy="ddp")` '
         '(`trainer_ddp`) and `Trainer(strategy="ddp_adasum")` (`trainer_adasum`; '
         "`trainer_adasum_overlap` with `overlap_backward=True`; `trainer_adasum_iterable` with an "
-        "`IterableDataset`), Lightning's launcher. Bucket by bucket during backward, the reduction time is "
+        '`IterableDataset`), Lightning\'s launcher; `Trainer(strategy="horovod_adasum")` under '
+        "`horovodrun` (`trainer_horovod_adasum`). Bucket by bucket during backward, the reduction time is "
         "what is left to wait for after backward. Models: the example's "
         "CNN (21,840 parameters) and an MLP 784 → 4 × 2048 → 10 (14.2 M parameters, 57 MB); synthetic "
         "MNIST-shaped data in memory, batch 64 per process, SGD lr 0.01 momentum 0.9, Gloo, one thread per "

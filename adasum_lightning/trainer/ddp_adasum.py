@@ -62,8 +62,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     else across ranks is Lightning's ``DDPStrategy`` (see :class:`._base.UpdateReducingDDPStrategy`).
 
     The step is :func:`adasum_lightning.step.adasum_step`, shared with ``Fabric(strategy="ddp_adasum")`` and
-    :class:`adasum_lightning.AdasumOptimizer`. Memory: two flat copies of the parameters of the optimizer that
-    steps (``θ_before`` and the deltas) and the reduction's receive buffer, kept between steps.
+    :class:`adasum_lightning.AdasumOptimizer`. Memory: one flat copy of the parameters of the optimizer that
+    steps, in which the local step runs and the deltas are reduced, and the reduction's receive buffer (half
+    a copy), kept between steps.
 
     **Overlap with backward** (``overlap_backward=True``): each bucket of parameters steps and is reduced as
     soon as backward has accumulated its gradients, while backward goes on — the same parameters, bitwise

@@ -526,8 +526,8 @@ def write_report(directory: Path, quick: bool = False) -> Path:
             f"{mem['config']['memory_batches']} batches) under each strategy; `ru_maxrss` of every rank "
             "after `fit` (`benchmarks/rss_example.py`); `ddp_adasum` started by Lightning "
             "(`--trainer.devices=N`), the others under `horovodrun`. Horovod's Adasum optimizer keeps one "
-            "extra copy of the parameters between steps, `ddp_adasum` one during each step: 21,840 float32 = "
-            "87,360 bytes = 85 KiB for this model.",
+            "extra copy of the parameters between steps, `ddp_adasum` one too (with the reduction's receive "
+            "buffer, half a copy): 21,840 float32 = 87,360 bytes = 85 KiB for this model.",
             "",
             _table(
                 ["N", "strategy", "peak RSS per rank (MiB)", "mean (MiB)"],

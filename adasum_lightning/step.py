@@ -149,7 +149,9 @@ class BackwardAdasumStep:
     parameter by parameter (``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``).
 
     The trainable parameters of ``optimizer``, in reverse order (roughly the order backward finishes them, as
-    DDP's buckets), are cut into buckets of one dtype and device of up to ``bucket_bytes``. While
+    DDP's buckets), are cut into buckets of one dtype and device, each closed once it holds ``bucket_bytes``
+    or more (as DDP's). At construction every rank takes the first rank's parameter values (as
+    :class:`~adasum_lightning.AdasumOptimizer` and ``DistributedDataParallel`` do). While
     :attr:`armed`, the hook that runs once a bucket's last gradient is accumulated
     (``register_post_accumulate_grad_hook``) steps ``optimizer`` on that bucket alone (its param groups cut
     down to it for the call) as :func:`adasum_step` steps — on a copy in the bucket's flat buffer, the
@@ -168,7 +170,7 @@ class BackwardAdasumStep:
         optimizer: the local optimizer (not wrapped by :class:`~adasum_lightning.AdasumOptimizer`).
         group: the process group of the reduction; the worker thread is its only user (e.g.
             ``dist.new_group(backend=dist.get_backend())``, built on every rank).
-        bucket_bytes: the largest bucket, in bytes (a larger parameter is a bucket of its own).
+        bucket_bytes: a bucket is closed once it holds this many bytes or more.
         timeout: how long one exchange waits for a peer (see :func:`adasum_lightning.adasum_allreduce`).
     """
 
@@ -199,6 +201,8 @@ class BackwardAdasumStep:
         if current:
             self.buckets.append(_Bucket(current))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._trainable = self._trainable_ids()
+        broadcast_from_rank_zero(optimizer_parameters(optimizer), group)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in trainable]
         self._error: BaseException | None = None
         self._closed = False
@@ -209,7 +213,9 @@ class BackwardAdasumStep:
         """Step the buckets backward left incomplete, then wait until every bucket is reduced and written.
 
         Raises:
-            RuntimeError: from ``torch.distributed`` in the worker (a peer lost, a timeout).
+            RuntimeError: from ``torch.distributed`` in the worker (a peer lost, a timeout); or, after the
+                step, when the optimizer's trainable parameters are no longer those the buckets were built
+                for (the message names the fix).
         """
         for bucket in self.buckets:
             if bucket.arrived < len(bucket.params):
@@ -221,6 +227,15 @@ class BackwardAdasumStep:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        if self._trainable_ids() != self._trainable:
+            raise RuntimeError(
+                "the optimizer's trainable parameters changed (requires_grad set or cleared, or a param "
+                "group added) since this BackwardAdasumStep was built, so its buckets miss or hold the wrong "
+                "ones: close() it and build a new one after such a change (every rank at the same step)."
+            )
+
+    def _trainable_ids(self) -> list[int]:
+        return [id(p) for p in optimizer_parameters(self.optimizer) if p.requires_grad and p.numel()]
 
     def close(self) -> None:
         """Remove the gradient hooks and stop the worker thread (the buffers go with the object)."""

@@ -524,7 +524,7 @@ def scaled_learning_rate_message(strategy_name: str, factor: float) -> str:
 
 
 def check_overlap_backward(overlap_backward: object, bucket_cap_mb: object, strategy_name: str) -> None:
-    """``overlap_backward`` is a bool and ``bucket_cap_mb`` a positive number of megabytes (MiB).
+    """``overlap_backward`` is a bool and ``bucket_cap_mb`` a positive number of MiB.
 
     Raises:
         ValueError: either is off; the message names the accepted values.
@@ -536,8 +536,8 @@ def check_overlap_backward(overlap_backward: object, bucket_cap_mb: object, stra
         )
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float) or not bucket_cap_mb > 0:
         raise ValueError(
-            f"{strategy_name}'s bucket_cap_mb is the largest bucket in MiB, a positive number such as 25 "
-            f"(DDP's default), got {bucket_cap_mb!r}"
+            f"{strategy_name}'s bucket_cap_mb is the bucket size in MiB, a positive number such as 25 (DDP's "
+            f"default), got {bucket_cap_mb!r}"
         )
 
 
@@ -565,7 +565,8 @@ def overlap_fallback_reason(
         gradient_scaler: fp16 mixed precision's ``GradScaler`` unscales and checks every gradient first.
         precision_plugin: the precision plugin's class name when it runs the optimizer step its own way
             (other than ``Precision``'s and ``MixedPrecision``'s), else None.
-        before_step_hooks: the callbacks (or the module) that override ``on_before_optimizer_step``.
+        before_step_hooks: overrides that run between backward and the step, as ``Class.hook``
+            (``on_after_backward``, ``on_before_optimizer_step``, the module's ``backward``).
     """
     if not automatic_optimization:
         return "manual optimization calls backward and step itself"
@@ -582,5 +583,5 @@ def overlap_fallback_reason(
         return f"the precision plugin {precision_plugin} runs the optimizer step its own way"
     if before_step_hooks:
         hooks = ", ".join(before_step_hooks)
-        return f"on_before_optimizer_step of {hooks} must see the parameters as they were before the step"
+        return f"{hooks} run between backward and the step (they may change gradients or read parameters)"
     return None

@@ -292,10 +292,19 @@ def test_overlap_backward_gives_the_whole_steps_parameters_bitwise(np, optimizer
     start = ranks[0]["start"]
     assert torch.equal(ranks[0]["overlap"]["frozen.weight"], start["frozen.weight"])
     assert not torch.equal(ranks[0]["overlap"]["net.0.weight"], start["net.0.weight"])  # trained
-    name = "Adam" if optimizer == "adam" else "SGD"
+    optimizer_class = "Adam" if optimizer == "adam" else "SGD"
     reason = (
-        f"DDPAdasumStrategy: overlap_backward: {name} takes the whole step after backward, "
+        f"DDPAdasumStrategy: overlap_backward: {optimizer_class} takes the whole step after backward, "
         "because gradient clipping (gradient_clip_val=1000000000.0) needs every gradient before the first "
         "bucket steps"
     )
     assert (result.stdout + result.stderr).count(reason) == 1  # rank 0, once in that fit
+    for r, res in enumerate(ranks):  # on_after_backward changes the gradients: the whole step, same result
+        assert res["halved_buckets"] == [None], r
+        assert not torch.equal(res["halved"]["net.0.weight"], res["whole"]["net.0.weight"]), r
+        for name, tensor in res["halved"].items():
+            assert torch.equal(res["halved_overlap"][name], tensor), (r, name)
+    halving = (
+        f"{optimizer_class} takes the whole step after backward, because HalveGradients.on_after_backward"
+    )
+    assert halving in result.stdout + result.stderr

@@ -26,4 +26,8 @@ def test_the_step_equals_the_reference_step_bitwise(np, optimizer, tmp_path):
         assert res["identical_backward"] == dict.fromkeys(res["identical"], True), r
         # [transposed], [scale] (float64), [branch.*, head.*] (at finish where the branch is unused), [body.*]
         assert res["buckets"] == 4, r
+        assert res["changed_error"].startswith(
+            "the optimizer's trainable parameters changed (requires_grad set or cleared, or a param group "
+            "added) since this BackwardAdasumStep was built"
+        ), r
     assert_ranks_identical(ranks)

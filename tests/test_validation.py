@@ -337,9 +337,9 @@ OVERLAP_OK = dict(
             "the precision plugin FSDPPrecision runs the optimizer step its own way",
         ),
         (
-            {"before_step_hooks": ["GradNormLogger", "Net"]},
-            "on_before_optimizer_step of GradNormLogger, Net must see the parameters as they were before "
-            "the step",
+            {"before_step_hooks": ["GradNormLogger.on_before_optimizer_step", "Net.on_after_backward"]},
+            "GradNormLogger.on_before_optimizer_step, Net.on_after_backward run between backward and the "
+            "step (they may change gradients or read parameters)",
         ),
     ],
 )
@@ -352,7 +352,7 @@ def test_overlap_fallback_rule(change, reason):
     [
         ("yes", 25, "ddp_adasum's overlap_backward is True (step and reduce bucket by bucket during the "
                     "backward pass) or False (the whole step after it), got 'yes'"),
-        (True, 0, "ddp_adasum's bucket_cap_mb is the largest bucket in MiB, a positive number such as 25 "
+        (True, 0, "ddp_adasum's bucket_cap_mb is the bucket size in MiB, a positive number such as 25 "
                   "(DDP's default), got 0"),
         (True, "25", "got '25'"),
         (True, True, "got True"),

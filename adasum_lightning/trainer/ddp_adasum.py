@@ -69,10 +69,10 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     **Overlap with backward** (``overlap_backward=True``): each bucket of parameters steps and is reduced as
     soon as backward has accumulated its gradients, while backward goes on — the same parameters, bitwise
     (:class:`adasum_lightning.step.BackwardAdasumStep`). It needs a per-parameter optimizer (SGD, Adam,
-    AdamW, …), no gradient clipping, no fp16 ``GradScaler``, automatic optimization and no
-    ``on_before_optimizer_step`` override (callbacks or module); otherwise that optimizer takes the whole
-    step, and rank 0 logs why, once per fit. Gradient accumulation works (only the window's last backward
-    steps). Measured in docs/benchmarks.md (issue N).
+    AdamW, …), no gradient clipping, no fp16 ``GradScaler``, automatic optimization and no override of
+    ``on_after_backward`` or ``on_before_optimizer_step`` (callbacks or module) or of the module's
+    ``backward``; otherwise that optimizer takes the whole step, and rank 0 logs why, once per fit. Gradient
+    accumulation works (only the window's last backward steps). Measured in docs/benchmarks.md.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
@@ -86,7 +86,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         lr_scaling: ``"auto"`` (factor 1), ``"none"`` or a positive factor.
         uneven_inputs: ``"truncate"`` or ``"error"`` (see :class:`._base.UpdateReducingDDPStrategy`).
         overlap_backward: step and reduce bucket by bucket during the backward pass (see above).
-        bucket_cap_mb: the largest bucket of ``overlap_backward``, in MiB (as DDP's ``bucket_cap_mb``).
+        bucket_cap_mb: ``overlap_backward``'s bucket size in MiB: a bucket is closed once it holds this much
+            or more (as DDP's ``bucket_cap_mb``).
 
     Raises:
         ValueError: an invalid ``lr_scaling``, ``uneven_inputs``, ``overlap_backward`` or ``bucket_cap_mb``.
@@ -231,13 +232,18 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             Precision.optimizer_step,
             MixedPrecision.optimizer_step,
         )
+        # hooks that see or change the gradients between backward and the step
         hooks = [
-            type(c).__name__
+            f"{type(c).__name__}.{hook}"
             for c in trainer.callbacks
-            if is_overridden("on_before_optimizer_step", c, Callback)
+            for hook in ("on_after_backward", "on_before_optimizer_step")
+            if is_overridden(hook, c, Callback)
         ]
-        if is_overridden("on_before_optimizer_step", module, pl.LightningModule):
-            hooks.append(type(module).__name__)
+        hooks += [
+            f"{type(module).__name__}.{hook}"
+            for hook in ("backward", "on_after_backward", "on_before_optimizer_step")
+            if is_overridden(hook, module, pl.LightningModule)
+        ]
         return validation.overlap_fallback_reason(
             automatic_optimization=module.automatic_optimization,
             optimizer=type(optimizer).__name__,

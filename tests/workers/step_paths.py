@@ -8,7 +8,9 @@ The reference is the step written out the plain way — ``before = clone``, ``p 
 run from the same parameters and optimizer state on the same local gradients for 4 steps; the model has a
 frozen layer, a branch some ranks and steps do not use, a float64 parameter and a non-contiguous one. The
 backward step's buckets hold at most 300 bytes here, so the model is cut into several (the float64 one
-alone), completed in different orders on different ranks (the unused branch's only at ``finish``).
+alone), completed in different orders on different ranks (the unused branch's only at ``finish``); its
+ranks start from different values (it broadcasts rank 0's), and a layer unfrozen afterwards makes
+``finish`` raise.
 """
 
 import copy
@@ -72,6 +74,10 @@ torch.manual_seed(rank)
 net = Net()
 broadcast_from_rank_zero([*net.parameters(), *net.buffers()])
 twin, hooked = copy.deepcopy(net), copy.deepcopy(net)
+if rank:
+    with torch.no_grad():  # BackwardAdasumStep gives every rank rank 0's values when it is built
+        for p in hooked.parameters():
+            p.add_(1.0)
 opt, twin_opt, hooked_opt = make(net), make(twin), make(hooked)
 backward_step = BackwardAdasumStep(hooked_opt, dist.new_group(backend="gloo"), bucket_bytes=300)
 gen = torch.Generator().manual_seed(10 + rank)
@@ -93,10 +99,19 @@ identical_backward = {
     name: torch.equal(a, b)
     for (name, a), (_, b) in zip(hooked.named_parameters(), twin.named_parameters(), strict=True)
 }
+hooked.frozen.requires_grad_(True)  # a change the buckets were not built for: finish() says so
+hooked_opt.zero_grad()
+F.cross_entropy(hooked(x, True), y).backward()
+try:
+    backward_step.finish()
+    changed_error = None
+except RuntimeError as err:
+    changed_error = str(err)
 torch.save(
     {
         "identical": identical,
         "identical_backward": identical_backward,
+        "changed_error": changed_error,
         "buckets": len(backward_step.buckets),
         "end": {k: v.clone() for k, v in net.state_dict().items()},
     },

@@ -206,6 +206,7 @@ class BackwardAdasumStep:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in trainable]
         self._error: BaseException | None = None
         self._closed = False
+        self._in_step = False  # from the first bucket stepped until finish() has seen them all written
         self._worker = threading.Thread(target=self._reduce_in_order, name="adasum-backward", daemon=True)
         self._worker.start()
 
@@ -224,6 +225,7 @@ class BackwardAdasumStep:
             bucket.done.wait()
             bucket.done.clear()
             bucket.arrived = 0
+        self._in_step = False
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -238,13 +240,15 @@ class BackwardAdasumStep:
         return [id(p) for p in optimizer_parameters(self.optimizer) if p.requires_grad and p.numel()]
 
     def close(self) -> None:
-        """Remove the gradient hooks and stop the worker thread (the buffers go with the object)."""
+        """Remove the gradient hooks and stop the worker thread (the buffers go with the object). After a step
+        that failed half way the worker may be waiting for a peer: it is left to end with its timeout."""
         for handle in self._hooks:
             handle.remove()
         self._closed = True
         for bucket in self.buckets:
             bucket.ready.set()
-        self._worker.join()
+        if not self._in_step:
+            self._worker.join()
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if not self.armed:
@@ -256,6 +260,7 @@ class BackwardAdasumStep:
 
     @torch.no_grad()
     def _step(self, bucket: _Bucket) -> None:
+        self._in_step = True
         groups = self.optimizer.param_groups
         kept = [g["params"] for g in groups]
         for g in groups:

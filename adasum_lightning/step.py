@@ -229,12 +229,16 @@ class BackwardAdasumStep:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        if self._trainable_ids() != self._trainable:
+        if not self.is_current():
             raise RuntimeError(
                 "the optimizer's trainable parameters changed (requires_grad set or cleared, or a param "
                 "group added) since this BackwardAdasumStep was built, so its buckets miss or hold the wrong "
                 "ones: close() it and build a new one after such a change (every rank at the same step)."
             )
+
+    def is_current(self) -> bool:
+        """True while the optimizer's trainable parameters are those the buckets were built for."""
+        return self._trainable_ids() == self._trainable
 
     def _trainable_ids(self) -> list[int]:
         return [id(p) for p in optimizer_parameters(self.optimizer) if p.requires_grad and p.numel()]

@@ -126,8 +126,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         self.overlap_backward = overlap_backward
         self.bucket_cap_mb = bucket_cap_mb
         self._overlap_group: dist.ProcessGroup | None = None
-        # per optimizer (by id): its bucketed step and the parameters it was built for, or None (whole step)
-        self._backward_steps: dict[int, tuple[BackwardAdasumStep, list[tuple[int, bool]]] | None] = {}
+        # per optimizer (by id): its bucketed step, or None (the whole step)
+        self._backward_steps: dict[int, BackwardAdasumStep | None] = {}
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -194,12 +194,11 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         key = id(optimizer)
         if key in self._backward_steps and self._backward_steps[key] is None:
             return None
-        trainable = [(id(p), p.requires_grad) for p in optimizer_parameters(optimizer)]
         built = self._backward_steps.get(key)
-        if built is not None and built[1] == trainable:
-            return built[0]
+        if built is not None and built.is_current():
+            return built
         if built is not None:
-            built[0].close()
+            built.close()
         reason = self._overlap_fallback_reason(optimizer)
         if reason is not None:
             rank_zero_info(
@@ -215,7 +214,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             optimizer, self._overlap_group, bucket_bytes, _compat.process_group_timeout(self)
         )
         step.armed = False  # only the backward inside optimizer_step steps (not an accumulation window's)
-        self._backward_steps[key] = (step, trainable)
+        self._backward_steps[key] = step
         return step
 
     def _overlap_fallback_reason(self, optimizer: Optimizer) -> str | None:
@@ -260,7 +259,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         release_workspace()  # the reduction's buffers, kept between steps
         for built in self._backward_steps.values():
             if built is not None:
-                built[0].close()
+                built.close()
         self._backward_steps.clear()
         if self._overlap_group is not None:
             dist.destroy_process_group(self._overlap_group)

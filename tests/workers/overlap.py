@@ -39,7 +39,7 @@ class BucketCount(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         built = trainer.strategy._backward_steps.values()
-        self.buckets = [None if b is None else len(b[0].buckets) for b in built]
+        self.buckets = [None if b is None else len(b.buckets) for b in built]
 
 
 def fit(overlap: bool, clip: float | None = None, halve: bool = False) -> tuple[dict, list, int, dict]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests import twohosts
+from tests.cases import CaseLaunches, Cases
 from tests.helpers import SHARED_MNIST
 
 
@@ -36,3 +37,16 @@ def two_hosts():
     twohosts.require()
     with twohosts.two_hosts() as hosts:
         yield hosts
+
+
+@pytest.fixture(scope="session")
+def case_launches(request, tmp_path_factory) -> CaseLaunches:
+    """The session's many-case launches (``tests/cases.py``), gathered from the collected tests."""
+    return CaseLaunches(tmp_path_factory.mktemp("cases"), request.session.items)
+
+
+@pytest.fixture
+def cases(request, case_launches) -> Cases:
+    """The results of the cases this test declares with ``@pytest.mark.cases(...)``."""
+    declared = [c for marker in request.node.iter_markers("cases") for c in marker.args]
+    return Cases(case_launches, declared)

@@ -99,12 +99,13 @@ def expected_message(rule, *args, **kwargs) -> str:
     return str(info.value)
 
 
-def assert_every_rank_says(proc, np, message):
-    """Every rank reported exactly ``message`` (the same text), and no training step ran."""
+def assert_every_rank_says(output: str, np: int, message: str) -> None:
+    """Every rank reported exactly ``message`` (the same text) in a job's ``output``, and no training step
+    ran."""
     # horovodrun tags each line with its rank ([1,r]<stderr>: under MPI, [r]<stderr>: under Gloo);
     # lines of different ranks can be spliced together, so the tags are dropped and the full report is
     # searched for, once per rank.
-    out = TAG.sub("", proc.stdout + proc.stderr)
+    out = TAG.sub("", output)
     for r in range(np):
         assert f"AdasumConfigurationError on rank {r}: {message}" in out, f"rank {r}:\n{out[-4000:]}"
     assert "Epoch 0" not in out and "train_loss" not in out
@@ -169,9 +170,10 @@ def run_torchrun(
 
 
 def run_job(
-    cmd: list[str], env: dict[str, str], timeout: float, check: bool = True
+    cmd: list[str], env: dict[str, str], timeout: float, check: bool = True, merged: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run a launcher command in a session of its own, from the checkout; returns the result.
+    """Run a launcher command in a session of its own, from the checkout; returns the result (with
+    ``merged``, stderr goes into stdout, in the order written).
 
     On a timeout every process of that session is killed — also ranks that a launcher put in process groups
     of their own (``mpirun`` does) — and the test fails with the output's end. With ``check`` a non-zero exit
@@ -182,7 +184,7 @@ def run_job(
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
@@ -191,9 +193,11 @@ def run_job(
     except subprocess.TimeoutExpired:
         kill_session(proc.pid)
         stdout, stderr = proc.communicate()
+        stderr = stderr or ""
         pytest.fail(
             f"{' '.join(cmd)} timed out after {timeout} s\n--- output (end)\n{(stdout + stderr)[-6000:]}"
         )
+    stderr = stderr or ""
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         output = (stdout + stderr)[-6000:]

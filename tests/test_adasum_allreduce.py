@@ -14,7 +14,8 @@ import torch.distributed as dist
 import adasum_lightning.allreduce as ar
 from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.ops import ADASUM_NORM_EPS, adasum, adasum_reduce, is_power_of_two
-from tests.helpers import load_ranks, run_horovod, run_torchrun
+from tests.cases import Launch, case
+from tests.helpers import run_torchrun
 
 #: max |ours - expected| / max |expected| per dtype (the reference rounds each pairwise step to the dtype,
 #: as the allreduce does; low-precision dtypes may still differ by an ulp where a coefficient's last bit
@@ -70,17 +71,26 @@ def check_all_cases(calls: list[dict]) -> None:
                 assert rel_err(out, mean) <= REL_TOL[dt], (dt, rel_err(out, mean))
 
 
+GLOO = {
+    (np, tuple(k)): case(
+        Launch("torchrun", np), f"adasum_allreduce-gloo-{np}", "adasum_allreduce", "gloo", *map(str, k)
+    )
+    for np, k in [(2, []), (4, [3]), (8, [5, 6, 7])]
+}
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize(("np", "prefix_groups"), [(2, []), (4, [3]), (8, [5, 6, 7])])
-def test_equals_the_reference_on_every_rank(np, prefix_groups, tmp_path):
+@pytest.mark.parametrize(
+    ("np", "prefix_groups"),
+    [pytest.param(np, list(k), marks=pytest.mark.cases(c)) for (np, k), c in GLOO.items()],
+)
+def test_equals_the_reference_on_every_rank(np, prefix_groups, cases):
     """Default groups of 2, 4 and 8 ranks; groups of 3 (of 4) and of 5, 6, 7 (of 8) first ranks.
 
     Non-powers of 2 run as sub-groups in the launches of 4 and 8 processes: the same code as a default
-    group of that size plus the group-to-global rank mapping, without three more launches (each process
-    imports torch and Lightning, ~5 s of CPU on this 2-core machine).
+    group of that size plus the group-to-global rank mapping.
     """
-    run_torchrun(np, "adasum_allreduce", "gloo", str(tmp_path), *map(str, prefix_groups))
-    ranks = load_ranks(tmp_path, np)
+    ranks = cases[GLOO[np, tuple(prefix_groups)]].ranks
     assert [(res["rank"], res["size"]) for res in ranks] == [(r, np) for r in range(np)]
     for path in (0, 1):  # binomial tree, vector halving
         check_all_cases([res["world"][path] for res in ranks])
@@ -106,11 +116,14 @@ def test_equals_the_reference_on_every_rank(np, prefix_groups, tmp_path):
                 assert torch.equal(after, ranks[1]["sub_outputs"][i])
 
 
+HOROVOD = {np: case(Launch("horovodrun", np), f"adasum_allreduce-horovod-{np}", "adasum_allreduce", "horovod")
+           for np in (2, 4)}  # fmt: skip
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("np", [2, 4])
-def test_equals_horovods_adasum(np, tmp_path):
-    run_horovod(np, "adasum_allreduce", "horovod", str(tmp_path))
-    ranks = load_ranks(tmp_path, np)
+@pytest.mark.parametrize("np", [pytest.param(np, marks=pytest.mark.cases(c)) for np, c in HOROVOD.items()])
+def test_equals_horovods_adasum(np, cases):
+    ranks = cases[HOROVOD[np]].ranks
     worst = {"torch.float32": 0, "torch.float64": 0.0}
     differing = {"tree": 0, "halving": 0}  # float32 elements ≠ Horovod's (rank 0)
     for r, res in enumerate(ranks):

@@ -1,6 +1,8 @@
 """What Lightning does across ranks works under the Horovod strategies (real horovodrun, 2 ranks).
 
-Each test runs ``tests/workers/crossrank.py`` under ``horovodrun -np 2`` and checks every rank's record.
+The tests read ``tests/workers/crossrank.py``'s cases, run in one ``horovodrun -np 2`` launch
+(``tests/cases.py``), and check every rank's record; SIGTERM, torchrun and a plain process are launches of
+their own.
 """
 
 from __future__ import annotations
@@ -23,16 +25,14 @@ from adasum_lightning.validation import (
     check_launch,
     check_sync_batchnorm,
 )
+from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import (
     ROOT,
-    TAG,
-    assert_every_rank_says,
     assert_ranks_identical,
     expected_message,
     horovodrun_cmd,
     load_ranks,
     mpi_env,
-    plain_env,
     run_horovod,
 )
 from tests.workers.lightning import adasum_strategies
@@ -45,42 +45,46 @@ HOROVOD = ["horovod_adasum", "horovod"]
 HOROVOD_COMPAT = [pytest.param("horovod_adasum", marks=pytest.mark.compat_oldest), "horovod"]
 
 
-def crossrank(tmp_path: Path, case: str, strategy: str, *args: str, check: bool = True, timeout: float = 180):
-    return run_horovod(
-        2,
-        "crossrank",
-        str(tmp_path),
-        "--case",
-        case,
-        "--strategy",
-        strategy,
-        *args,
-        check=check,
-        timeout=timeout,
-    )
+def crossrank(scenario: str, strategy: str, *args: str):
+    """``scenario`` of the worker with ``strategy`` in the 2-rank launch."""
+    name = "-".join(["crossrank", scenario, strategy, *(a.strip("-") for a in args)])
+    return case(Launch("horovodrun", 2), name, "crossrank", "--case", scenario, "--strategy", strategy, *args)
+
+
+def with_cases(params, cases_of):
+    """``pytest.param`` of each tuple in ``params``, marked with the cases ``cases_of(*params)`` declares."""
+    return [pytest.param(*p, marks=pytest.mark.cases(*cases_of(*p))) for p in params]
 
 
 # ---------------------------------------------------------------- 1: synchronised batch norm
-@pytest.mark.parametrize("strategy", HOROVOD)
-@pytest.mark.parametrize("how", ["--sync-batchnorm", "--convert-sync-bn"])
-def test_sync_batchnorm_on_cpu_is_refused_before_any_step(strategy, how, tmp_path):
-    proc = crossrank(tmp_path, "batchnorm", strategy, how, check=False)
-    assert proc.returncode != 0
+def sync_batchnorm(strategy: str, how: str):
+    return (crossrank("batchnorm", strategy, how),)
+
+
+@pytest.mark.parametrize(
+    "strategy, how",
+    with_cases([(s, h) for s in HOROVOD for h in ("--sync-batchnorm", "--convert-sync-bn")], sync_batchnorm),
+)
+def test_sync_batchnorm_on_cpu_is_refused_before_any_step(strategy, how, cases):
+    result = cases[sync_batchnorm(strategy, how)[0]]
     layers = [] if how == "--sync-batchnorm" else ["bn"]
     message = expected_message(check_sync_batchnorm, "cpu", how == "--sync-batchnorm", layers, strategy)
-    assert_every_rank_says(proc, 2, message)
-    assert_refused_before_any_step(tmp_path)
+    assert_refused_on_every_rank(result, message, wrote_nothing=False)
+    assert_refused_before_any_step(result.out, result.case.launch.np)
 
 
-def assert_refused_before_any_step(tmp_path: Path, np: int = 2) -> None:
+def assert_refused_before_any_step(out: Path, np: int) -> None:
     """Every rank stopped on the configuration error (its record, written from ``on_exception``), stepless."""
-    for res in load_ranks(tmp_path, np):
+    for res in load_ranks(out, np):
         assert res["exception"] == "AdasumConfigurationError" and res["steps"] == []
 
 
-def test_without_sync_batchnorm_each_rank_keeps_its_own_statistics(tmp_path):
-    crossrank(tmp_path, "batchnorm", "horovod_adasum")
-    ranks = load_ranks(tmp_path, 2)
+BATCHNORM = crossrank("batchnorm", "horovod_adasum")
+
+
+@pytest.mark.cases(BATCHNORM)
+def test_without_sync_batchnorm_each_rank_keeps_its_own_statistics(cases):
+    ranks = cases[BATCHNORM].ranks
     params = {k: v for k, v in ranks[0]["end"].items() if "running" not in k and "num_batches" not in k}
     for name in params:  # parameters identical …
         assert torch.equal(ranks[0]["end"][name], ranks[1]["end"][name]), name
@@ -90,10 +94,19 @@ def test_without_sync_batchnorm_each_rank_keeps_its_own_statistics(tmp_path):
 
 
 # ---------------------------------------------------------------- 2, 3: bool and non-contiguous state
-@pytest.mark.parametrize("strategy", HOROVOD_COMPAT)
-def test_bool_buffer_trains_and_equals_rank_zeros(strategy, tmp_path):
-    crossrank(tmp_path, "mask", strategy)
-    ranks = load_ranks(tmp_path, 2)
+def compat_params(cases_of):
+    """HOROVOD_COMPAT, each marked with its cases."""
+    return [
+        pytest.param(
+            s, marks=[pytest.mark.cases(*cases_of(s)), *[pytest.mark.compat_oldest] * (s == "horovod_adasum")]
+        )
+        for s in HOROVOD
+    ]
+
+
+@pytest.mark.parametrize("strategy", compat_params(lambda s: [crossrank("mask", s)]))
+def test_bool_buffer_trains_and_equals_rank_zeros(strategy, cases):
+    ranks = cases[crossrank("mask", strategy)].ranks
     rank0_mask = ranks[0]["start"]["mask"]
     assert rank0_mask.dtype == torch.bool and int(rank0_mask.sum()) == 2
     assert int(ranks[1]["start"]["mask"].sum()) == 3  # differed before fit
@@ -103,10 +116,11 @@ def test_bool_buffer_trains_and_equals_rank_zeros(strategy, tmp_path):
     assert_ranks_identical(ranks)
 
 
-@pytest.mark.parametrize("strategy", HOROVOD)
-def test_non_contiguous_parameter_and_buffer_train_identically(strategy, tmp_path):
-    crossrank(tmp_path, "noncontiguous", strategy)
-    ranks = load_ranks(tmp_path, 2)
+@pytest.mark.parametrize(
+    "strategy", with_cases([(s,) for s in HOROVOD], lambda s: [crossrank("noncontiguous", s)])
+)
+def test_non_contiguous_parameter_and_buffer_train_identically(strategy, cases):
+    ranks = cases[crossrank("noncontiguous", strategy)].ranks
     assert_ranks_identical(ranks)
     for res in ranks:
         assert torch.equal(res["end"]["scale"], ranks[0]["start"]["scale"])  # rank 0's buffer
@@ -114,20 +128,21 @@ def test_non_contiguous_parameter_and_buffer_train_identically(strategy, tmp_pat
 
 
 # ---------------------------------------------------------------- 4: bf16-true
-@pytest.mark.parametrize("strategy", HOROVOD)
-def test_bf16_true_is_refused_before_any_step_naming_bf16_mixed(strategy, tmp_path):
-    proc = crossrank(tmp_path, "mask", strategy, "--precision", "bf16-true", check=False)
-    assert proc.returncode != 0
+def bf16_true(strategy: str):
+    return crossrank("mask", strategy, "--precision", "bf16-true")
+
+
+@pytest.mark.parametrize("strategy", with_cases([(s,) for s in HOROVOD], lambda s: [bf16_true(s)]))
+def test_bf16_true_is_refused_before_any_step_naming_bf16_mixed(strategy, cases):
     message = expected_message(check_horovod_dtypes, strategy, "cpu", {torch.bfloat16})
     assert "Use precision='bf16-mixed'" in message
-    assert_every_rank_says(proc, 2, message)
+    assert_refused_on_every_rank(cases[bf16_true(strategy)], message, wrote_nothing=False)
 
 
 # ---------------------------------------------------------------- 5: all_gather with gradients
-@pytest.mark.parametrize("strategy", HOROVOD_COMPAT)
-def test_all_gather_with_gradients_sums_them_like_ddp(strategy, tmp_path):
-    crossrank(tmp_path, "gather", strategy, "--steps", "1")
-    ranks = load_ranks(tmp_path, 2)
+@pytest.mark.parametrize("strategy", compat_params(lambda s: [crossrank("gather", s, "--steps", "1")]))
+def test_all_gather_with_gradients_sums_them_like_ddp(strategy, cases):
+    ranks = cases[crossrank("gather", strategy, "--steps", "1")].ranks
     for r, res in enumerate(ranks):
         assert torch.equal(res["gathered"], torch.tensor([[1.0], [2.0]]))
         # loss = Σ gathered on each rank; x_r = w·(r+1): the gradient of x_r sums both ranks' (1 + 1)
@@ -135,11 +150,14 @@ def test_all_gather_with_gradients_sums_them_like_ddp(strategy, tmp_path):
 
 
 # ---------------------------------------------------------------- 6: torchmetrics with list states
-@pytest.mark.parametrize("strategy", HOROVOD_COMPAT)
+def metrics(strategy: str, kwargs: bool):
+    return crossrank("metrics", strategy, *(["--pass-horovod-sync-kwargs"] if kwargs else []))
+
+
+@pytest.mark.parametrize("strategy", compat_params(lambda s: [metrics(s, False), metrics(s, True)]))
 @pytest.mark.parametrize("kwargs", [False, True], ids=["plain", "horovod_sync_kwargs"])
-def test_torchmetrics_list_states_are_computed_over_every_rank(strategy, kwargs, tmp_path):
-    crossrank(tmp_path, "metrics", strategy, *(["--pass-horovod-sync-kwargs"] if kwargs else []))
-    ranks = load_ranks(tmp_path, 2)
+def test_torchmetrics_list_states_are_computed_over_every_rank(strategy, kwargs, cases):
+    ranks = cases[metrics(strategy, kwargs)].ranks
     values, preds, targets = [], [], []
     for r in range(2):  # what the worker's ranks fed in (3 and 6 samples)
         count = 3 * (r + 1)
@@ -156,16 +174,19 @@ def test_torchmetrics_list_states_are_computed_over_every_rank(strategy, kwargs,
 
 
 # ---------------------------------------------------------------- 10: closure optimizers
-def test_lbfgs_is_refused_by_horovod_adasum_before_any_step(tmp_path):
-    proc = crossrank(tmp_path, "lbfgs", "horovod_adasum", check=False)
-    assert proc.returncode != 0
-    assert_every_rank_says(proc, 2, expected_message(check_closure_optimizers, "horovod_adasum", ["LBFGS"]))
+LBFGS_REFUSED, LBFGS = crossrank("lbfgs", "horovod_adasum"), crossrank("lbfgs", "horovod")
+
+
+@pytest.mark.cases(LBFGS_REFUSED)
+def test_lbfgs_is_refused_by_horovod_adasum_before_any_step(cases):
+    message = expected_message(check_closure_optimizers, "horovod_adasum", ["LBFGS"])
+    assert_refused_on_every_rank(cases[LBFGS_REFUSED], message, wrote_nothing=False)
 
 
 @pytest.mark.compat_oldest
-def test_lbfgs_trains_identically_under_horovod_averaging(tmp_path):
-    crossrank(tmp_path, "lbfgs", "horovod")
-    ranks = load_ranks(tmp_path, 2)
+@pytest.mark.cases(LBFGS)
+def test_lbfgs_trains_identically_under_horovod_averaging(cases):
+    ranks = cases[LBFGS].ranks
     assert_ranks_identical(ranks)
     assert all(res["global_step"] == 4 for res in ranks)
     assert not torch.equal(ranks[0]["end"]["head.weight"], ranks[0]["start"]["head.weight"])
@@ -179,7 +200,8 @@ def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_pa
             "this Lightning has no SIGTERM agreement between ranks (added after 2.4; DDP lacks it too)"
         )
     start = time.monotonic()
-    proc = crossrank(tmp_path, "sigterm", strategy, "--sigterm-step", "3", check=False, timeout=120)
+    args = ["--case", "sigterm", "--strategy", strategy, "--sigterm-step", "3"]
+    proc = run_horovod(2, "crossrank", str(tmp_path), *args, check=False, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0 and elapsed < 60, (proc.returncode, elapsed, proc.stderr[-3000:])
     ranks = load_ranks(tmp_path, 2)
@@ -286,23 +308,15 @@ def test_torchrun_is_refused_on_every_process_naming_horovodrun(tmp_path):
     assert_refused_before_any_step(tmp_path, np=1)  # both processes are "rank 0" of a world of 1
 
 
-@pytest.mark.parametrize("strategy", HOROVOD)
-def test_devices_two_in_a_plain_process_is_refused(strategy, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.workers.crossrank",
-        str(tmp_path),
-        "--case",
-        "mask",
-        "--strategy",
-        strategy,
-        "--devices",
-        "2",
-    ]
-    proc = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
+def plain_process(strategy: str):
+    return case(Launch("python", 1), f"crossrank-devices-2-{strategy}", "crossrank", "--case", "mask",
+                "--strategy", strategy, "--devices", "2")  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", with_cases([(s,) for s in HOROVOD], lambda s: [plain_process(s)]))
+def test_devices_two_in_a_plain_process_is_refused(strategy, cases):
+    result = cases[plain_process(strategy)]
     message = expected_message(check_launch, 1, None, 2, strategy_name=strategy)
     assert "no launcher (a plain `python` start)" in message and "horovodrun -np 2" in message
-    assert f"AdasumConfigurationError on rank 0: {message}" in TAG.sub("", proc.stderr), proc.stderr[-3000:]
-    assert_refused_before_any_step(tmp_path, np=1)
+    assert_refused_on_every_rank(result, message, wrote_nothing=False)
+    assert_refused_before_any_step(result.out, result.case.launch.np)

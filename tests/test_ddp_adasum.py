@@ -1,7 +1,8 @@
 """``ddp_adasum``: Adasum of parameter deltas on torch.distributed, launched by Lightning itself or torchrun.
 
-Every test runs real processes (``Trainer(devices=N)`` started as a plain ``python``, or ``torchrun``) and
-checks every rank against a reference computed here in one process.
+Every test reads real processes (``Trainer(devices=N)`` started as a plain ``python``, or ``torchrun``),
+run as cases of a few launches (``tests/cases.py``), and checks every rank against a reference computed here
+in one process. SLURM's and Azure ML's environments and a killed rank are launches of their own.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-from adasum_lightning.ops import adasum, adasum_reduce
+from adasum_lightning.ops import adasum
 from adasum_lightning.validation import check_launcher_world_size
+from tests.cases import Launch, case
 from tests.helpers import (
     ROOT,
     assert_ranks_identical,
@@ -25,64 +27,30 @@ from tests.helpers import (
     load_ranks,
     plain_env,
     run_as_pytorch_job,
-    run_horovod,
     run_lightning,
-    run_torchrun,
 )
+from tests.reference import assert_one_step_is_the_adasum_of_local_deltas, local_delta, strip
 from tests.workers.tiny import tiny_net
 
 pytestmark = pytest.mark.mpi
 
 
-def strip(state: dict) -> dict:
-    return {k.removeprefix("net."): v for k, v in state.items()}
-
-
-def local_delta(start, batches, *, lr=0.1, momentum=0.5, optimizer="sgd", clip_norm=None, bf16=False):
-    """One rank's local step of the tiny net from ``start`` on the mean loss of ``batches`` (Lightning divides
-    each micro-batch's loss by their number): {name: new − start}."""
-    net = tiny_net()
-    net.load_state_dict(start)
-    if optimizer == "lbfgs":
-        opt = torch.optim.LBFGS(net.parameters(), lr=lr, max_iter=5)
-        x, y = batches[0]
-
-        def closure():
-            opt.zero_grad()
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-    else:
-        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
-        for x, y in batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = F.cross_entropy(net(x), y) / len(batches)
-            loss.backward()
-        if clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
-        opt.step()
-    return {k: v.detach() - start[k] for k, v in net.state_dict().items()}
-
-
-def assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-5, atol=1e-7):
-    start = strip(ranks[0]["start"])
-    for r, res in enumerate(ranks):
-        for name, end in strip(res["end"]).items():
-            expected = start[name] + adasum_reduce([d[name] for d in deltas])
-            assert torch.allclose(end, expected, rtol=rtol, atol=atol), (
-                r,
-                name,
-                (end - expected).abs().max(),
-            )
+def fit(name: str, np: int, *args: str, launcher: str = "lightning", strategy: str = "ddp_adasum"):
+    return case(Launch(launcher, np), name, "fit", "--strategy", strategy, *args)
 
 
 # ---------------------------------------------------------------- launched by Lightning, torchrun and srun
-@pytest.mark.parametrize("np", [pytest.param(2, marks=pytest.mark.compat), 4])
-def test_lightning_launches_the_processes_and_ranks_stay_identical(np, tmp_path):
-    run_lightning(np, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--scheduler", "step", "--lr", "0.05")
-    ranks = load_ranks(tmp_path, np)
+LAUNCHED = {
+    np: fit(f"ddp_adasum-{np}-step-scheduler", np, "--scheduler", "step", "--lr", "0.05") for np in (2, 4)
+}
+
+
+@pytest.mark.parametrize(
+    "np", [pytest.param(2, marks=[pytest.mark.compat, pytest.mark.cases(LAUNCHED[2])]),
+           pytest.param(4, marks=pytest.mark.cases(LAUNCHED[4]))]
+)  # fmt: skip
+def test_lightning_launches_the_processes_and_ranks_stay_identical(np, cases):
+    ranks = cases[LAUNCHED[np]].ranks
     assert_ranks_identical(ranks, "start")  # rank 0's initial weights (each rank seeded differently)
     assert_ranks_identical(ranks, "end")
     for res in ranks:
@@ -94,10 +62,13 @@ def test_lightning_launches_the_processes_and_ranks_stay_identical(np, tmp_path)
         assert set().union(*seen) == set(range(64)) and sum(map(len, seen)) == 64
 
 
+TORCHRUN = fit("ddp_adasum-torchrun", 2, "--epochs", "1", "--devices", "2", launcher="torchrun")
+
+
 @pytest.mark.compat_oldest
-def test_torchrun_launches_the_processes(tmp_path):
-    run_torchrun(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1", "--devices", "2")
-    ranks = load_ranks(tmp_path, 2)
+@pytest.mark.cases(TORCHRUN)
+def test_torchrun_launches_the_processes(cases):
+    ranks = cases[TORCHRUN].ranks
     assert all(res["world_size"] == 2 and res["global_step"] == 8 for res in ranks)
     assert_ranks_identical(ranks)
 
@@ -129,10 +100,13 @@ def test_srun_tasks_train_through_lightnings_slurm_environment(tmp_path):
     assert_ranks_identical(ranks)
 
 
+ONE_STEP = fit("ddp_adasum-one-step", 2, "--max-steps", "1")
+
+
 @pytest.mark.compat_oldest
-def test_one_step_is_the_adasum_of_the_local_deltas(tmp_path):
-    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1")
-    ranks = load_ranks(tmp_path, 2)
+@pytest.mark.cases(ONE_STEP)
+def test_one_step_is_the_adasum_of_the_local_deltas(cases):
+    ranks = cases[ONE_STEP].ranks
     start = strip(ranks[0]["start"])
     deltas = [local_delta(start, res["batches"][:1]) for res in ranks]
     assert not torch.equal(ranks[0]["batches"][0][0], ranks[1]["batches"][0][0])
@@ -146,9 +120,12 @@ def test_one_step_is_the_adasum_of_the_local_deltas(tmp_path):
         assert not torch.allclose(end, start["0.weight"] + combined, rtol=1e-5, atol=1e-7)
 
 
-def test_three_processes_use_the_documented_order(tmp_path):
-    run_lightning(3, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1", "--samples", "96")
-    ranks = load_ranks(tmp_path, 3)
+THREE = fit("ddp_adasum-three-ranks", 3, "--max-steps", "1", "--samples", "96")
+
+
+@pytest.mark.cases(THREE)
+def test_three_processes_use_the_documented_order(cases):
+    ranks = cases[THREE].ranks
     start = strip(ranks[0]["start"])
     deltas = [local_delta(start, res["batches"][:1]) for res in ranks]
     assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas)
@@ -159,13 +136,28 @@ def test_three_processes_use_the_documented_order(tmp_path):
 
 
 # ---------------------------------------------------------------- the same result as Horovod's Adasum
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_same_training_as_horovod_adasum(optimizer, tmp_path):
-    args = ["--epochs", "3", "--optimizer", optimizer, "--lr", "0.05"]  # 3 epochs × 8 steps = 24 steps
-    (tmp_path / "ddp").mkdir(), (tmp_path / "hvd").mkdir()
-    run_lightning(2, "fit", str(tmp_path / "ddp"), "--strategy", "ddp_adasum", *args)
-    run_horovod(2, "fit", str(tmp_path / "hvd"), "--strategy", "horovod_adasum", *args)
-    ddp, hvd = load_ranks(tmp_path / "ddp", 2), load_ranks(tmp_path / "hvd", 2)
+def same_training(optimizer: str) -> tuple:
+    args = ("--epochs", "3", "--optimizer", optimizer, "--lr", "0.05")  # 3 epochs × 8 steps = 24 steps
+    return (
+        fit(f"as-horovod-{optimizer}-ddp_adasum", 2, *args),
+        fit(
+            f"as-horovod-{optimizer}-horovod_adasum",
+            2,
+            *args,
+            launcher="horovodrun",
+            strategy="horovod_adasum",
+        ),
+    )
+
+
+SAME_TRAINING = {o: same_training(o) for o in ("sgd", "adam")}
+
+
+@pytest.mark.parametrize(
+    "optimizer", [pytest.param(o, marks=pytest.mark.cases(*c)) for o, c in SAME_TRAINING.items()]
+)
+def test_same_training_as_horovod_adasum(optimizer, cases):
+    ddp, hvd = (cases[c].ranks for c in SAME_TRAINING[optimizer])
     assert_ranks_identical(ddp)
     assert (
         ddp[0]["indices"] == hvd[0]["indices"] and ddp[1]["indices"] == hvd[1]["indices"]
@@ -178,12 +170,14 @@ def test_same_training_as_horovod_adasum(optimizer, tmp_path):
 
 
 # ---------------------------------------------------------------- what Horovod's Adasum optimizer forbids
-def test_norm_clipping_clips_the_delta_of_a_huge_gradient(tmp_path):
-    scale, clip = 1e4, 0.5
-    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1", "--momentum", "0",
-                  "--loss-scale", str(scale), "--clip-value", str(clip),
-                  "--clip-algorithm", "norm")  # fmt: skip
-    ranks = load_ranks(tmp_path, 2)
+NORM_CLIPPING = fit("ddp_adasum-norm-clipping", 2, "--max-steps", "1", "--momentum", "0",
+                    "--loss-scale", "1e4", "--clip-value", "0.5", "--clip-algorithm", "norm")  # fmt: skip
+
+
+@pytest.mark.cases(NORM_CLIPPING)
+def test_norm_clipping_clips_the_delta_of_a_huge_gradient(cases):
+    clip = 0.5
+    ranks = cases[NORM_CLIPPING].ranks
     start = strip(ranks[0]["start"])
     deltas = [local_delta(start, res["batches"][:1], momentum=0.0, clip_norm=clip) for res in ranks]
     for d in deltas:  # the reference's local deltas were clipped: ‖lr · g‖ ≤ lr · clip
@@ -191,23 +185,28 @@ def test_norm_clipping_clips_the_delta_of_a_huge_gradient(tmp_path):
     assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas)
 
 
-def test_bf16_mixed_on_cpu(tmp_path):
-    run_lightning(
-        2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1", "--precision", "bf16-mixed"
-    )
-    ranks = load_ranks(tmp_path, 2)
+BF16 = fit("ddp_adasum-bf16-mixed", 2, "--max-steps", "1", "--precision", "bf16-mixed")
+
+
+@pytest.mark.cases(BF16)
+def test_bf16_mixed_on_cpu(cases):
+    ranks = cases[BF16].ranks
     start = strip(ranks[0]["start"])
     deltas = [local_delta(start, res["batches"][:1], bf16=True) for res in ranks]
     assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-4, atol=1e-6)
 
 
+FP16 = fit(
+    "ddp_adasum-fp16-scaler", 2, "--max-steps", "1", "--fp16-scaler", "--inf-rank", "0", "--inf-step", "0"
+)
+
+
 @pytest.mark.compat_oldest
-def test_fp16_gradient_scaler_skips_an_overflowing_rank(tmp_path):
+@pytest.mark.cases(FP16)
+def test_fp16_gradient_scaler_skips_an_overflowing_rank(cases):
     # Rank 0's loss is infinite at step 0: its scaler skips the step, its delta is 0, and the Adasum of
     # (0, d1) is d1 exactly (a zero vector's coefficient is 1).
-    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1", "--fp16-scaler",
-                  "--inf-rank", "0", "--inf-step", "0")  # fmt: skip
-    ranks = load_ranks(tmp_path, 2)
+    ranks = cases[FP16].ranks
     start = strip(ranks[0]["start"])
     delta1 = local_delta(start, ranks[1]["batches"][:1])  # in float32: fp16 autocast changes only rounding
     for res in ranks:
@@ -216,21 +215,26 @@ def test_fp16_gradient_scaler_skips_an_overflowing_rank(tmp_path):
     assert_ranks_identical(ranks)
 
 
-def test_lbfgs(tmp_path):
-    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--max-steps", "1",
-                  "--optimizer", "lbfgs", "--lr", "0.5")  # fmt: skip
-    ranks = load_ranks(tmp_path, 2)
+LBFGS = fit("ddp_adasum-lbfgs", 2, "--max-steps", "1", "--optimizer", "lbfgs", "--lr", "0.5")
+
+
+@pytest.mark.cases(LBFGS)
+def test_lbfgs(cases):
+    ranks = cases[LBFGS].ranks
     start = strip(ranks[0]["start"])
     deltas = [local_delta(start, res["batches"][:1], optimizer="lbfgs", lr=0.5) for res in ranks]
     assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas, rtol=1e-4, atol=1e-6)
 
 
+PARTIAL_WINDOW = fit("ddp_adasum-partial-window", 2, "--epochs", "1", "--samples", "40", "--accumulate", "3",
+                     "--momentum", "0")  # fmt: skip
+
+
 @pytest.mark.compat_oldest
-def test_accumulation_with_a_partial_window(tmp_path):
+@pytest.mark.cases(PARTIAL_WINDOW)
+def test_accumulation_with_a_partial_window(cases):
     # 40 samples / 2 ranks / batch 4 = 5 batches, k = 3: windows 3 + 2 (the partial one is stepped).
-    run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "1", "--samples", "40",
-                  "--accumulate", "3", "--momentum", "0")  # fmt: skip
-    ranks = load_ranks(tmp_path, 2)
+    ranks = cases[PARTIAL_WINDOW].ranks
     assert all(res["global_step"] == 2 for res in ranks)
     assert_ranks_identical(ranks)
     start = strip(ranks[0]["start"])
@@ -274,12 +278,19 @@ def test_a_world_size_that_the_trainer_does_not_describe_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------- overlap_backward=True
+OVERLAP = {
+    (np, o, k): case(Launch("torchrun", np), f"overlap-{np}-{o}-{k}", "overlap", o, str(k), timeout=240)
+    for np, o, k in [(2, "sgd", 1), (2, "adam", 2), (3, "adam", 1), (4, "sgd", 2)]
+}
+
+
 @pytest.mark.parametrize(
-    ("np", "optimizer", "accumulate"), [(2, "sgd", 1), (2, "adam", 2), (3, "adam", 1), (4, "sgd", 2)]
+    ("np", "optimizer", "accumulate"),
+    [pytest.param(*k, marks=pytest.mark.cases(c)) for k, c in OVERLAP.items()],
 )
-def test_overlap_backward_gives_the_whole_steps_parameters_bitwise(np, optimizer, accumulate, tmp_path):
-    result = run_torchrun(np, "overlap", str(tmp_path), optimizer, str(accumulate))
-    ranks = load_ranks(tmp_path, np)
+def test_overlap_backward_gives_the_whole_steps_parameters_bitwise(np, optimizer, accumulate, cases):
+    result = cases[OVERLAP[np, optimizer, accumulate]]
+    ranks = result.ranks
     batches = math.ceil(math.ceil(64 / np) / 4)  # per rank and epoch (the sampler pads to equal shards)
     for r, res in enumerate(ranks):
         assert res["buckets"] == [3], r  # the overlap fit stepped bucket by bucket, in three buckets
@@ -298,7 +309,7 @@ def test_overlap_backward_gives_the_whole_steps_parameters_bitwise(np, optimizer
         "because gradient clipping (gradient_clip_val=1000000000.0) needs every gradient before the first "
         "bucket steps"
     )
-    assert (result.stdout + result.stderr).count(reason) == 1  # rank 0, once in that fit
+    assert result.case_output.count(reason) == 1  # rank 0, once in that fit
     for r, res in enumerate(ranks):  # on_after_backward changes the gradients: the whole step, same result
         assert res["halved_buckets"] == [None], r
         assert not torch.equal(res["halved"]["net.0.weight"], res["whole"]["net.0.weight"]), r
@@ -307,4 +318,4 @@ def test_overlap_backward_gives_the_whole_steps_parameters_bitwise(np, optimizer
     halving = (
         f"{optimizer_class} takes the whole step after backward, because HalveGradients.on_after_backward"
     )
-    assert halving in result.stdout + result.stderr
+    assert halving in result.case_output

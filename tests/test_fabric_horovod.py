@@ -8,6 +8,7 @@ here in one process.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,15 +25,15 @@ from adasum_lightning.validation import (
     check_world_size,
     clipping_refused,
 )
+from tests.cases import Launch, case
 from tests.helpers import (
     assert_every_rank_says,
     expected_message,
     load_ranks,
     plain_env,
-    run_horovod,
     run_job,
 )
-from tests.test_ddp_adasum import assert_one_step_is_the_adasum_of_local_deltas, local_delta
+from tests.reference import assert_one_step_is_the_adasum_of_local_deltas, local_delta
 from tests.workers.samples import tiny_net
 
 pytestmark = pytest.mark.mpi
@@ -41,12 +42,16 @@ WORKER = "fabric_horovod"
 LR, MOMENTUM = 0.1, 0.5
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One 2-rank job: the training scenarios, then the refusals (job output, records of each rank)."""
-    out = tmp_path_factory.mktemp("fabric_horovod")
-    proc = run_horovod(2, WORKER, str(out), "--jobs", "train,refusals", timeout=180)
-    return proc, load_ranks(out, 2), out
+#: The training scenarios, then the refusals, as one case of the 2-rank launch (``tests/cases.py``).
+TWO_RANKS = case(Launch("horovodrun", 2), "fabric-horovod-train-refusals", WORKER, "--jobs", "train,refusals",
+                 timeout=180)  # fmt: skip
+
+
+@pytest.fixture
+def two_ranks(cases) -> tuple[str, list[dict], Path]:
+    """The case's output, every rank's records and its folder."""
+    result = cases[TWO_RANKS]
+    return result.case_output, result.ranks, result.out
 
 
 def assert_identical(ranks: list[dict], scenario: str, key: str = "end") -> None:
@@ -67,6 +72,7 @@ def gradient(start: dict, batch) -> dict:
 # ---------------------------------------------------------------- horovod_adasum, each form and package
 @pytest.mark.parametrize("package", ["lightning_fabric", "lightning.fabric"])
 @pytest.mark.parametrize("by", ["name", "instance"])
+@pytest.mark.cases(TWO_RANKS)
 def test_horovod_adasum_one_step_is_the_adasum_of_the_local_deltas(two_ranks, package, by):
     _, ranks, _ = two_ranks
     scenario = f"adasum/{package}/{by}"
@@ -90,6 +96,7 @@ def test_horovod_adasum_one_step_is_the_adasum_of_the_local_deltas(two_ranks, pa
     assert not torch.allclose(records[0]["end"]["0.weight"], mean, rtol=1e-5, atol=1e-7)  # not averaging
 
 
+@pytest.mark.cases(TWO_RANKS)
 def test_no_backward_sync_accumulates_with_backward_passes_per_step(two_ranks):
     _, ranks, _ = two_ranks
     records = [res["adasum/accumulate"] for res in ranks]
@@ -100,6 +107,7 @@ def test_no_backward_sync_accumulates_with_backward_passes_per_step(two_ranks):
     assert_one_step_is_the_adasum_of_local_deltas(records, deltas)
 
 
+@pytest.mark.cases(TWO_RANKS)
 def test_save_on_rank_zero_and_load_on_every_rank(two_ranks):
     _, ranks, out = two_ranks
     records = [res["adasum/save_load"] for res in ranks]
@@ -116,6 +124,7 @@ def test_save_on_rank_zero_and_load_on_every_rank(two_ranks):
 
 
 # ---------------------------------------------------------------- horovod: averaging, lr × world size
+@pytest.mark.cases(TWO_RANKS)
 def test_horovod_averages_the_gradients_with_the_learning_rate_times_the_world_size(two_ranks):
     _, ranks, _ = two_ranks
     records = [res["horovod"] for res in ranks]
@@ -130,6 +139,7 @@ def test_horovod_averages_the_gradients_with_the_learning_rate_times_the_world_s
             assert torch.allclose(end, expected, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.cases(TWO_RANKS)
 def test_horovod_clips_the_averaged_gradients(two_ranks):
     _, ranks, _ = two_ranks
     records = [res["horovod/clip"] for res in ranks]
@@ -147,6 +157,7 @@ def test_horovod_clips_the_averaged_gradients(two_ranks):
             assert torch.allclose(end, expected, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.cases(TWO_RANKS)
 def test_horovod_averages_each_closure_evaluation_of_lbfgs(two_ranks):
     _, ranks, _ = two_ranks
     records = [res["horovod/lbfgs"] for res in ranks]
@@ -179,11 +190,12 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("scenario", list(REFUSALS))
+@pytest.mark.cases(TWO_RANKS)
 def test_refused_on_every_rank_before_the_first_step(two_ranks, scenario):
-    proc, ranks, _ = two_ranks
+    output, ranks, _ = two_ranks
     rule, *rule_args = REFUSALS[scenario]
     message = expected_message(rule, *rule_args)
-    assert_every_rank_says(proc, 2, message)
+    assert_every_rank_says(output, 2, message)
     for res in ranks:
         assert res[scenario]["message"] == message and "stepped" not in res[scenario]
     if "after" in ranks[0][scenario]:  # set up (rank 0's weights everywhere), never stepped
@@ -197,26 +209,32 @@ def test_refused_on_every_rank_before_the_first_step(two_ranks, scenario):
 @pytest.mark.parametrize(
     ("scenario", "algorithm", "value"), [("clip/norm", "norm", 1.0), ("clip/value", "value", 0.5)]
 )
+@pytest.mark.cases(TWO_RANKS)
 def test_clipping_under_adasum_is_refused_at_the_call(two_ranks, scenario, algorithm, value):
-    proc, ranks, _ = two_ranks
+    output, ranks, _ = two_ranks
     message = str(clipping_refused("horovod_adasum", algorithm, value))
     assert "Use Fabric(strategy='ddp_adasum')" in message
-    assert_every_rank_says(proc, 2, message)
+    assert_every_rank_says(output, 2, message)
     assert all(res[scenario]["message"] == message and "stepped" not in res[scenario] for res in ranks)
 
 
-def test_a_world_size_not_a_power_of_two_is_refused(tmp_path):
-    proc = run_horovod(3, WORKER, str(tmp_path), "--jobs", "world", timeout=120)
+WORLD = case(Launch("horovodrun", 3), "fabric-horovod-world", WORKER, "--jobs", "world")
+GLOO = case(Launch("horovodrun --gloo", 2), "fabric-horovod-gloo", WORKER, "--jobs", "gloo")
+
+
+@pytest.mark.cases(WORLD)
+def test_a_world_size_not_a_power_of_two_is_refused(cases):
+    result = cases[WORLD]
     message = expected_message(check_world_size, 3)
-    assert_every_rank_says(proc, 3, message)
-    assert all(res["world"]["message"] == message for res in load_ranks(tmp_path, 3))
+    assert_every_rank_says(result.case_output, 3, message)
+    assert all(res["world"]["message"] == message for res in result.ranks)
 
 
-def test_the_gloo_controller_refuses_adasum_and_averaging_trains(tmp_path):
-    proc = run_horovod(2, WORKER, str(tmp_path), "--jobs", "gloo", gloo=True, timeout=120)
+@pytest.mark.cases(GLOO)
+def test_the_gloo_controller_refuses_adasum_and_averaging_trains(cases):
     message = expected_message(check_controller, mpi_built=True, mpi_enabled=False, gloo_enabled=True)
-    assert_every_rank_says(proc, 2, message)
-    ranks = load_ranks(tmp_path, 2)
+    assert_every_rank_says(cases[GLOO].case_output, 2, message)
+    ranks = cases[GLOO].ranks
     assert all(res["controller"]["message"] == message for res in ranks)
     assert_identical(ranks, "horovod")
     assert not torch.equal(ranks[0]["horovod"]["start"]["0.weight"], ranks[0]["horovod"]["end"]["0.weight"])
@@ -226,13 +244,14 @@ def test_a_process_horovod_sees_alone_and_gloo_cpu_operations_are_refused(tmp_pa
     # a plain `python` start with devices=2, then devices=1 with HOROVOD_CPU_OPERATIONS=gloo (MPI controller)
     cmd = [sys.executable, "-m", f"tests.workers.{WORKER}", str(tmp_path), "--jobs", "alone"]
     proc = run_job(cmd, plain_env(), timeout=120)
+    output = proc.stdout + proc.stderr
     (res,) = load_ranks(tmp_path, 1)
     launch = expected_message(check_launch, 1, None, 2, api="Fabric", strategy_name="horovod_adasum")
-    assert_every_rank_says(proc, 1, launch)
+    assert_every_rank_says(output, 1, launch)
     assert res["launch"]["message"] == launch
     for strategy in ("horovod_adasum", "horovod"):
         operations = expected_message(
             check_cpu_operations, mpi_enabled=True, cpu_operations="gloo", strategy_name=strategy
         )
-        assert_every_rank_says(proc, 1, operations)
+        assert_every_rank_says(output, 1, operations)
         assert res[f"cpu_operations/{strategy}"]["message"] == operations

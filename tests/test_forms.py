@@ -2,9 +2,10 @@
 ``Fabric(strategy="ddp_adasum")`` (``fabric.launch()``) and ``Trainer(strategy="ddp_adasum")`` (Lightning's
 launcher) train the same model on the same shards to the same parameters.
 
-Every test runs real processes (``tests/workers/forms.py``) and checks every rank. Equality is bitwise: the
-three forms run the same arithmetic (Lightning's closure, Fabric's precision plugin and the plain loop
-compute the same loss, gradients, clipping, unscaling and local step; the reduction is the same function).
+Every test reads real processes (``tests/workers/forms.py``, cases of a few launches: ``tests/cases.py``)
+and checks every rank. Equality is bitwise: the three forms run the same arithmetic (Lightning's closure,
+Fabric's precision plugin and the plain loop compute the same loss, gradients, clipping, unscaling and local
+step; the reduction is the same function).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from adasum_lightning.ops import adasum_reduce
 from adasum_lightning.validation import check_launcher_world_size, check_module_unwrapped
+from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import (
     ROOT,
     expected_message,
@@ -27,11 +28,10 @@ from tests.helpers import (
     mpi_env,
     run_as_pytorch_job,
     run_job,
-    run_lightning,
-    run_torchrun,
 )
+from tests.reference import assert_one_step_is_the_adasum_of_local_deltas, local_delta
 from tests.workers.lightning import PACKAGE
-from tests.workers.samples import IndexedData, tiny_net
+from tests.workers.samples import IndexedData
 
 pytestmark = pytest.mark.mpi
 
@@ -39,18 +39,26 @@ pytestmark = pytest.mark.mpi
 FABRIC = "lightning_fabric" if PACKAGE == "pytorch_lightning" else "lightning.fabric"
 
 
-def train(form: str, out: Path, np: int, *args: str, fabric: str = FABRIC) -> list[dict]:
-    """Run one form on ``np`` processes into ``out/form``; every rank's saved results, rank order."""
-    target = out / form
-    if form == "plain":
-        run_torchrun(np, "forms", str(target), "--form", "plain", *args)
-    else:
-        run_lightning(np, "forms", str(target), "--form", form, "--fabric-package", fabric, *args)
-    ranks = load_ranks(target, np)
+def form(name: str, kind: str, np: int, *args: str, fabric: str = FABRIC):
+    """One form on ``np`` processes: the plain loop under torchrun, Fabric and Trainer under Lightning."""
+    if kind == "plain":
+        return case(Launch("torchrun", np), f"{name}-plain", "forms", "--form", "plain", *args)
+    return case(
+        Launch("lightning", np), f"{name}-{kind}", "forms", "--form", kind, "--fabric-package", fabric, *args
+    )
+
+
+def forms(name: str, np: int, *args: str) -> tuple:
+    return tuple(form(name, kind, np, *args) for kind in ("plain", "fabric", "trainer"))
+
+
+def trained(result) -> list[dict]:
+    """Every rank's results of one form's case; every rank at the world size, with rank 0's parameters."""
+    ranks = result.ranks
     for r, res in enumerate(ranks):
-        assert res["world_size"] == np, (form, r)
+        assert res["world_size"] == result.case.launch.np, (result.case.name, r)
         for name, tensor in ranks[0]["end"].items():
-            assert torch.equal(tensor, res["end"][name]), f"{form}: {name} differs, rank 0 vs rank {r}"
+            assert torch.equal(tensor, res["end"][name]), f"{result.case.name}: {name}: rank 0 vs rank {r}"
     return ranks
 
 
@@ -66,24 +74,25 @@ def assert_same_training(reference: list[dict], other: list[dict], what: str) ->
                 assert torch.equal(tensor, res["opt_state"][key][name]), (what, r, key, name)
 
 
-def three_forms(tmp_path: Path, np: int, *args: str) -> list[dict]:
-    plain = train("plain", tmp_path, np, *args)
-    assert plain[0]["lightning_imported"] == []  # the plain loop needs no Lightning
-    assert_same_training(plain, train("fabric", tmp_path, np, *args), "fabric vs plain")
-    assert_same_training(plain, train("trainer", tmp_path, np, *args), "trainer vs plain")
+def three_forms(cases, declared: tuple) -> list[dict]:
+    plain, fabric, trainer = (trained(cases[c]) for c in declared)
+    assert_same_training(plain, fabric, "fabric vs plain")
+    assert_same_training(plain, trainer, "trainer vs plain")
     return plain
+
+
+THREE_FORMS = {
+    "sgd-momentum": forms("forms-sgd-momentum", 2, "--optimizer", "sgd", "--momentum", "0.9"),
+    "adam": forms("forms-adam", 2, "--optimizer", "adam", "--lr", "0.01"),
+}
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize(
-    "options",
-    [
-        pytest.param(("--optimizer", "sgd", "--momentum", "0.9"), id="sgd-momentum"),
-        pytest.param(("--optimizer", "adam", "--lr", "0.01"), id="adam"),
-    ],
+    "options", [pytest.param(k, marks=pytest.mark.cases(*c)) for k, c in THREE_FORMS.items()]
 )
-def test_the_three_forms_train_to_identical_parameters(options, tmp_path):
-    plain = three_forms(tmp_path, 2, *options)
+def test_the_three_forms_train_to_identical_parameters(options, cases):
+    plain = three_forms(cases, THREE_FORMS[options])
     assert plain[0]["steps"] == 2 * 64 // 2 // 4
     # each rank kept its own optimizer state (momentum or Adam moments from its own gradients)
     first = next(iter(plain[0]["opt_state"].values()))
@@ -91,65 +100,88 @@ def test_the_three_forms_train_to_identical_parameters(options, tmp_path):
     assert not torch.equal(first[name], next(iter(plain[1]["opt_state"].values()))[name])
 
 
-def test_accumulation_with_a_partial_window_and_norm_clipping(tmp_path):
+ACCUMULATION = forms(
+    "forms-accumulate-3-clip-norm", 2, "--accumulate", "3", "--clip-norm", "0.05", "--epochs", "1"
+)
+
+
+@pytest.mark.cases(*ACCUMULATION)
+def test_accumulation_with_a_partial_window_and_norm_clipping(cases):
     # 8 batches per epoch, a step every 3: steps after batches 3, 6 and 8 (Lightning's partial window)
-    plain = three_forms(tmp_path, 2, "--accumulate", "3", "--clip-norm", "0.05", "--epochs", "1")
+    plain = three_forms(cases, ACCUMULATION)
     assert plain[0]["steps"] == 3
 
 
-def test_a_step_the_gradient_scaler_skips_on_one_rank_is_a_zero_update(tmp_path):
+SKIPPED_STEP = forms(
+    "forms-fp16-skipped-step", 2, "--fp16-scaler", "--inf-rank", "1", "--inf-step", "2", "--epochs", "1"
+)
+
+
+@pytest.mark.cases(*SKIPPED_STEP)
+def test_a_step_the_gradient_scaler_skips_on_one_rank_is_a_zero_update(cases):
     # rank 1's loss is infinite at step 2: its scaler skips that step, rank 0's does not
-    plain = three_forms(tmp_path, 2, "--fp16-scaler", "--inf-rank", "1", "--inf-step", "2", "--epochs", "1")
+    plain = three_forms(cases, SKIPPED_STEP)
     assert all(torch.isfinite(t).all() for t in plain[0]["end"].values())  # the infinite step left no trace
 
 
-def test_bf16_mixed_and_value_clipping_with_fabric_as_an_instance_under_torchrun(tmp_path):
+BF16_OPTIONS = ("--bf16", "--clip-value", "0.01", "--epochs", "1")
+BF16 = (
+    form("forms-bf16-value-clipping", "plain", 2, *BF16_OPTIONS),
+    case(Launch("torchrun", 2), "forms-bf16-value-clipping-fabric-instance", "forms", "--form", "fabric",
+         "--fabric-package", FABRIC, "--fabric-instance", "--devices", "2", *BF16_OPTIONS),
+    form("forms-bf16-value-clipping", "trainer", 2, *BF16_OPTIONS),
+)  # fmt: skip
+
+
+@pytest.mark.cases(*BF16)
+def test_bf16_mixed_and_value_clipping_with_fabric_as_an_instance_under_torchrun(cases):
     # Fabric's strategy object, setup_module + setup_optimizers, started by torchrun (not fabric.launch())
-    options = ("--bf16", "--clip-value", "0.01", "--epochs", "1")
-    plain = train("plain", tmp_path, 2, *options)
-    fabric_dir = tmp_path / "fabric-torchrun"
-    run_torchrun(2, "forms", str(fabric_dir), "--form", "fabric", "--fabric-package", FABRIC,
-                 "--fabric-instance", "--devices", "2", *options)  # fmt: skip
-    fabric = load_ranks(fabric_dir, 2)
+    plain, fabric, trainer = (cases[c].ranks for c in BF16)
     assert fabric[0]["strategy"].endswith("fabric.ddp_adasum.DDPAdasumStrategy")
     assert_same_training(plain, fabric, "fabric (instance, torchrun) vs plain")
-    assert_same_training(plain, train("trainer", tmp_path, 2, *options), "trainer vs plain")
+    assert_same_training(plain, trainer, "trainer vs plain")
 
 
-def test_lbfgs_with_a_closure(tmp_path):
-    three_forms(tmp_path, 2, "--optimizer", "lbfgs", "--epochs", "1")
+LBFGS = forms("forms-lbfgs", 2, "--optimizer", "lbfgs", "--epochs", "1")
 
 
-def test_a_world_of_three(tmp_path):
-    plain = three_forms(tmp_path, 3, "--epochs", "1")
+@pytest.mark.cases(*LBFGS)
+def test_lbfgs_with_a_closure(cases):
+    three_forms(cases, LBFGS)
+
+
+THREE_RANKS = forms("forms-three-ranks", 3, "--epochs", "1")
+
+
+@pytest.mark.cases(*THREE_RANKS)
+def test_a_world_of_three(cases):
+    plain = three_forms(cases, THREE_RANKS)
     assert plain[0]["steps"] == 6  # 64 samples padded to 66: 22 per rank, 6 batches
 
 
-def test_plain_loop_equals_the_reference_adasum_of_every_ranks_local_step(tmp_path):
+ONE_STEP = form("forms-one-step", "plain", 3, "--epochs", "1", "--max-steps", "1", "--momentum", "0")
+
+
+@pytest.mark.cases(ONE_STEP)
+def test_plain_loop_equals_the_reference_adasum_of_every_ranks_local_step(cases):
     # One step on 3 ranks, computed here in one process: each rank's local SGD step from the common start on
     # its first batch, then the Adasum of the three deltas (adasum_lightning.ops.adasum_reduce).
-    ranks = train("plain", tmp_path, 3, "--epochs", "1", "--max-steps", "1", "--momentum", "0")
-    start = ranks[0]["start"]
+    ranks = trained(cases[ONE_STEP])
     data = IndexedData(64)
-    deltas = []
-    for res in ranks:
-        net = tiny_net()
-        net.load_state_dict(start)
-        x, y = data.x[res["first_batch"]], data.y[res["first_batch"]]
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        torch.optim.SGD(net.parameters(), lr=0.1).step()
-        deltas.append({k: v.detach() - start[k] for k, v in net.state_dict().items()})
-    for r, res in enumerate(ranks):
-        for name, end in res["end"].items():
-            expected = start[name] + adasum_reduce([d[name] for d in deltas])
-            difference = (end - expected).abs().max()
-            assert torch.allclose(end, expected, rtol=1e-5, atol=1e-7), (r, name, difference)
+    batches = [[(data.x[res["first_batch"]], data.y[res["first_batch"]])] for res in ranks]
+    deltas = [local_delta(ranks[0]["start"], b, momentum=0.0) for b in batches]
+    assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas)
 
 
-def test_fabric_save_and_load_round_trip(tmp_path):
-    ranks = train("fabric", tmp_path, 2, "--epochs", "1", "--save-load")
-    assert (tmp_path / "fabric" / "fabric.ckpt").is_file()
-    saved = torch.load(tmp_path / "fabric" / "fabric.ckpt", weights_only=False)  # what rank 0 wrote
+SAVE_LOAD = form("forms-save-load", "fabric", 2, "--epochs", "1", "--save-load")
+
+
+@pytest.mark.cases(SAVE_LOAD)
+def test_fabric_save_and_load_round_trip(cases):
+    ranks = trained(cases[SAVE_LOAD])
+    ckpt = cases[SAVE_LOAD].out / "fabric.ckpt"
+    assert ckpt.is_file()
+    saved = torch.load(ckpt, weights_only=False)  # what rank 0 wrote
     for r, res in enumerate(ranks):
         assert res["loaded_step"] == res["steps"] == 8
         for name, tensor in res["end"].items():
@@ -166,23 +198,28 @@ def test_fabric_save_and_load_round_trip(tmp_path):
         assert res["strategy"].endswith("fabric.ddp_adasum.DDPAdasumStrategy")
 
 
-def test_fabric_under_both_package_names_trains_identically(tmp_path):
+BOTH_PACKAGES = tuple(
+    form(f"forms-package-{package}", "fabric", 2, "--epochs", "1", fabric=package)
+    for package in ("lightning_fabric", "lightning.fabric")
+)
+
+
+@pytest.mark.cases(*BOTH_PACKAGES)
+def test_fabric_under_both_package_names_trains_identically(cases):
     pytest.importorskip("lightning")
-    standalone = train("fabric", tmp_path / "a", 2, "--epochs", "1", fabric="lightning_fabric")
-    unified = train("fabric", tmp_path / "b", 2, "--epochs", "1", fabric="lightning.fabric")
+    standalone, unified = (trained(cases[c]) for c in BOTH_PACKAGES)
     assert standalone[0]["strategy"] == "adasum_lightning.fabric.ddp_adasum.DDPAdasumStrategy"
     assert unified[0]["strategy"] == "adasum_lightning.lightning.fabric.ddp_adasum.DDPAdasumStrategy"
     assert_same_training(standalone, unified, "lightning.fabric vs lightning_fabric")
 
 
-def test_fabric_refuses_a_module_wrapped_in_ddp_on_every_rank(tmp_path):
-    proc = run_lightning(2, "forms", str(tmp_path), "--form", "fabric", "--fabric-package", FABRIC,
-                         "--ddp-wrapped", check=False)  # fmt: skip
-    assert proc.returncode != 0
+DDP_WRAPPED = form("forms-ddp-wrapped", "fabric", 2, "--ddp-wrapped")
+
+
+@pytest.mark.cases(DDP_WRAPPED)
+def test_fabric_refuses_a_module_wrapped_in_ddp_on_every_rank(cases):
     message = expected_message(check_module_unwrapped, "ddp_adasum", True)
-    for r in range(2):
-        assert f"AdasumConfigurationError on rank {r}: {message}" in proc.stderr, proc.stderr[-3000:]
-    assert not list(tmp_path.glob("rank*.pt"))
+    assert_refused_on_every_rank(cases[DDP_WRAPPED], message)
 
 
 def test_fabric_refuses_a_world_size_its_devices_do_not_describe(tmp_path):
@@ -220,7 +257,11 @@ def torch_only_environment(where: Path) -> Path:
     return where / "bin" / "python"
 
 
-def test_the_plain_loop_in_an_environment_with_torch_only(tmp_path):
+FULL_ENVIRONMENT = form("forms-full-environment", "plain", 2, "--epochs", "1")
+
+
+@pytest.mark.cases(FULL_ENVIRONMENT)
+def test_the_plain_loop_in_an_environment_with_torch_only(cases, tmp_path):
     python = torch_only_environment(tmp_path / "venv")
     env = {**mpi_env(), "PYTHONPATH": str(ROOT)}
     code = (
@@ -235,5 +276,5 @@ def test_the_plain_loop_in_an_environment_with_torch_only(tmp_path):
            "-m", "tests.workers.forms", str(out), "--form", "plain", "--epochs", "1"]  # fmt: skip
     run_job(cmd, env, timeout=240)
     alone = load_ranks(out, 2)
-    full = train("plain", tmp_path, 2, "--epochs", "1")
-    assert_same_training(full, alone, "torch-only vs full environment")
+    assert alone[0]["lightning_imported"] == []
+    assert_same_training(trained(cases[FULL_ENVIRONMENT]), alone, "torch-only vs full environment")

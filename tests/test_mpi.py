@@ -1,23 +1,24 @@
-"""Real multi-process runs under horovodrun (Open MPI, CPU): every rank's result is checked."""
+"""Real multi-process runs under horovodrun (Open MPI, CPU), cases of one launch per world size
+(``tests/cases.py``): every rank's result is checked."""
 
 import pytest
 import torch
 
-from adasum_lightning.ops import adasum
-from tests.helpers import (
-    assert_ranks_identical,
-    load_ranks,
-    run_horovod,
-)
-from tests.workers.tiny import tiny_net  # noqa: E402
+from tests.cases import Launch, case
+from tests.helpers import assert_ranks_identical
+from tests.reference import assert_one_step_is_the_adasum_of_local_deltas, local_delta, strip
 
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("np", [2, 4])
-def test_adasum_allreduce_equals_the_reference(np, tmp_path):
-    run_horovod(np, "collectives", str(tmp_path))
-    ranks = load_ranks(tmp_path, np)
+COLLECTIVES = {np: case(Launch("horovodrun", np), f"collectives-{np}", "collectives") for np in (2, 4)}
+
+
+@pytest.mark.parametrize(
+    "np", [pytest.param(np, marks=pytest.mark.cases(c)) for np, c in COLLECTIVES.items()]
+)
+def test_adasum_allreduce_equals_the_reference(np, cases):
+    ranks = cases[COLLECTIVES[np]].ranks
     for r, res in enumerate(ranks):
         assert (res["rank"], res["size"]) == (r, np)
         for (dtype, shape), diff in res["adasum"].items():
@@ -48,16 +49,17 @@ def assert_disjoint_shards(ranks, n, epochs):
         assert set().union(*seen) == set(range(n)), f"epoch {e}: samples missing"
 
 
-@pytest.fixture(scope="module")
-def adasum_2ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("adasum2")
-    run_horovod(2, "fit", str(out), "--epochs", "2", "--scheduler", "onecycle")
-    return out, load_ranks(out, 2)
+def fit(name: str, np: int, *args: str):
+    return case(Launch("horovodrun", np), name, "fit", *args)
+
+
+ONECYCLE = fit("horovod_adasum-onecycle", 2, "--epochs", "2", "--scheduler", "onecycle")
 
 
 @pytest.mark.compat
-def test_fit_two_ranks_identical_parameters_and_own_shards(adasum_2ranks):
-    _, ranks = adasum_2ranks
+@pytest.mark.cases(ONECYCLE)
+def test_fit_two_ranks_identical_parameters_and_own_shards(cases):
+    ranks = cases[ONECYCLE].ranks
     assert_ranks_identical(
         ranks, "start"
     )  # rank 0's initial weights were broadcast (ranks seeded differently)
@@ -69,11 +71,20 @@ def test_fit_two_ranks_identical_parameters_and_own_shards(adasum_2ranks):
     assert ranks[0]["lrs"] == ranks[1]["lrs"] and ranks[0]["lrs"][0] < ranks[0]["lrs"][-1]
 
 
+FOUR_RANKS = {s: fit(f"{s}-4-step-scheduler", 4, "--strategy", s, "--lr", "0.05", "--scheduler", "step")
+              for s in ("horovod_adasum", "horovod")}  # fmt: skip
+
+
 @pytest.mark.compat
-@pytest.mark.parametrize(("strategy", "factor"), [("horovod_adasum", 1), ("horovod", 4)])
-def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, tmp_path):
-    run_horovod(4, "fit", str(tmp_path), "--strategy", strategy, "--lr", "0.05", "--scheduler", "step")
-    ranks = load_ranks(tmp_path, 4)
+@pytest.mark.parametrize(
+    ("strategy", "factor"),
+    [
+        pytest.param(s, f, marks=pytest.mark.cases(FOUR_RANKS[s]))
+        for s, f in (("horovod_adasum", 1), ("horovod", 4))
+    ],
+)
+def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, cases):
+    ranks = cases[FOUR_RANKS[strategy]].ranks
     for res in ranks:
         assert res["world_size"] == 4
         assert res["start_lr"] == pytest.approx(0.05 * factor)
@@ -84,45 +95,37 @@ def test_four_ranks_learning_rate_and_identical_parameters(strategy, factor, tmp
     assert_disjoint_shards(ranks, n=64, epochs=2)
 
 
+ONE_STEP = fit("horovod_adasum-one-step", 2, "--max-steps", "1", "--lr", "0.1")
+
+
 @pytest.mark.compat
-def test_one_step_is_the_adasum_of_the_local_sgd_deltas(tmp_path):
-    lr, momentum = 0.1, 0.5
-    run_horovod(2, "fit", str(tmp_path), "--max-steps", "1", "--lr", str(lr))
-    ranks = load_ranks(tmp_path, 2)
-    start = {k.removeprefix("net."): v for k, v in ranks[0]["start"].items()}
-    deltas = []
-    for res in ranks:  # each rank's local SGD step from the common start on its own batch
-        net = tiny_net()
-        net.load_state_dict(start)
-        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
-        x, y = res["batches"][0]
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        deltas.append({k: v.detach() - start[k] for k, v in net.state_dict().items()})
+@pytest.mark.cases(ONE_STEP)
+def test_one_step_is_the_adasum_of_the_local_sgd_deltas(cases):
+    ranks = cases[ONE_STEP].ranks
+    start = strip(ranks[0]["start"])
+    deltas = [local_delta(start, res["batches"][:1]) for res in ranks]  # lr 0.1, momentum 0.5
     assert not torch.equal(ranks[0]["batches"][0][0], ranks[1]["batches"][0][0])
-    for r, res in enumerate(ranks):
-        for name, end in res["end"].items():
-            key = name.removeprefix("net.")
-            expected = start[key] + adasum(deltas[0][key], deltas[1][key])
-            assert torch.allclose(end, expected, rtol=1e-5, atol=1e-7), (
-                r,
-                name,
-                (end - expected).abs().max(),
+    assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas)
+    for (
+        res
+    ) in ranks:  # and it is neither the sum nor the mean of the deltas (neither orthogonal nor parallel)
+        for name, end in strip(res["end"]).items():
+            assert not torch.allclose(
+                end, start[name] + deltas[0][name] + deltas[1][name], rtol=1e-5, atol=1e-7
             )
-            # and it is neither the sum nor the mean of the deltas (they are not orthogonal or parallel)
-            assert not torch.allclose(end, start[key] + deltas[0][key] + deltas[1][key], rtol=1e-5, atol=1e-7)
+
+
+ONECYCLE_RESUMED = fit("horovod_adasum-onecycle-resumed", 2, "--epochs", "3", "--scheduler", "onecycle",
+                       "--ckpt-path", f"{{{ONECYCLE.name}}}")  # fmt: skip
 
 
 @pytest.mark.compat
-def test_resume_restores_every_ranks_own_optimizer_state(adasum_2ranks, tmp_path):
-    first, _ = adasum_2ranks
-    ckpts = sorted((first / "checkpoints").glob("*.ckpt"))
+@pytest.mark.cases(ONECYCLE, ONECYCLE_RESUMED)
+def test_resume_restores_the_schedule_and_every_ranks_own_optimizer_state(cases):
+    ckpts = sorted((cases[ONECYCLE].out / "checkpoints").glob("*.ckpt"))
     assert [c.name for c in ckpts] == ["epoch=1-step=16.ckpt"]
     ckpt = torch.load(ckpts[0], weights_only=False)
-    run_horovod(
-        2, "fit", str(tmp_path), "--epochs", "3", "--scheduler", "onecycle", "--ckpt-path", str(ckpts[0])
-    )
-    ranks = load_ranks(tmp_path, 2)
+    ranks = cases[ONECYCLE_RESUMED].ranks
     # rank 0's state in the checkpoint, rank 1's beside it (tests/test_resume.py has the rest)
     rank1 = torch.load(f"{ckpts[0]}.rank1-optimizer.pt", weights_only=False)
     saved_states = [ckpt["optimizer_states"][0]["state"], rank1["optimizer_states"][0]["state"]]

@@ -1,4 +1,8 @@
-"""Misuse refused on every rank before step 1, Adasum's hard cases, and faults — real horovodrun jobs."""
+"""Misuse refused on every rank before step 1, Adasum's hard cases, and faults — real horovodrun jobs.
+
+The 2-rank fits are cases of one ``horovodrun -np 2`` launch (``tests/cases.py``); 3 ranks, a killed rank,
+the Gloo controller and Gloo CPU operations are launches of their own (the launch is what they test).
+"""
 
 import time
 
@@ -12,16 +16,24 @@ from adasum_lightning.validation import (
     check_gradient_clipping,
     check_world_size,
 )
+from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import (
     assert_every_rank_says,
     assert_ranks_identical,
     expected_message,
-    load_ranks,
     run_horovod,
 )
-from tests.workers.tiny import tiny_net  # noqa: E402
+from tests.reference import local_delta, strip
 
 pytestmark = pytest.mark.mpi
+
+MPI2 = Launch("horovodrun", 2)
+GLOO2 = Launch("horovodrun --gloo", 2)
+GLOO_OPERATIONS2 = Launch("horovodrun", 2, env=(("HOROVOD_CPU_OPERATIONS", "gloo"),))
+
+
+def fit(name: str, *args: str, launch: Launch = MPI2):
+    return case(launch, name, "fit", *args)
 
 
 # ---------------------------------------------------------------- refused at setup, on every rank
@@ -32,77 +44,73 @@ def test_three_processes_are_refused_quickly(tmp_path):
     assert proc.returncode != 0 and elapsed < 60, (proc.returncode, elapsed)
     message = expected_message(check_world_size, 3)
     assert "this job has 3 processes. Launch 2 or 4 processes" in message
-    assert_every_rank_says(proc, 3, message)
+    assert_every_rank_says(proc.stdout + proc.stderr, 3, message)
     assert not list(tmp_path.glob("rank*.pt"))
 
 
-def test_gloo_controller_is_refused_for_adasum(tmp_path):
-    proc = run_horovod(2, "fit", str(tmp_path), gloo=True, check=False, timeout=120)
-    assert proc.returncode != 0
+GLOO_REFUSED = fit("gloo-controller-adasum", launch=GLOO2)
+GLOO_AVERAGING = fit("gloo-controller-horovod", "--strategy", "horovod", launch=GLOO2)
+
+
+@pytest.mark.cases(GLOO_REFUSED)
+def test_gloo_controller_is_refused_for_adasum(cases):
     message = expected_message(check_controller, mpi_built=True, mpi_enabled=False, gloo_enabled=True)
     assert "needs the MPI controller, but this job runs under Gloo (horovodrun --gloo)" in message
-    assert_every_rank_says(proc, 2, message)
+    assert_refused_on_every_rank(cases[GLOO_REFUSED], message)
 
 
-def test_gloo_controller_still_trains_with_averaging(tmp_path):
-    run_horovod(2, "fit", str(tmp_path), "--strategy", "horovod", gloo=True)
-    ranks = load_ranks(tmp_path, 2)
+@pytest.mark.cases(GLOO_AVERAGING)
+def test_gloo_controller_still_trains_with_averaging(cases):
+    ranks = cases[GLOO_AVERAGING].ranks
     assert all(res["global_step"] == 16 for res in ranks)
     assert_ranks_identical(ranks)
 
 
-@pytest.mark.parametrize("strategy", ["horovod_adasum", "horovod"])
-def test_gloo_cpu_operations_under_mpi_are_refused(strategy, tmp_path, monkeypatch):
-    monkeypatch.setenv("HOROVOD_CPU_OPERATIONS", "gloo")
-    proc = run_horovod(2, "fit", str(tmp_path), "--strategy", strategy, check=False, timeout=120)
-    assert proc.returncode != 0
+GLOO_OPERATIONS = {s: fit(f"gloo-operations-{s}", "--strategy", s, launch=GLOO_OPERATIONS2) for s in
+                   ("horovod_adasum", "horovod")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "strategy", [pytest.param(s, marks=pytest.mark.cases(c)) for s, c in GLOO_OPERATIONS.items()]
+)
+def test_gloo_cpu_operations_under_mpi_are_refused(strategy, cases):
     message = expected_message(
         check_cpu_operations, mpi_enabled=True, cpu_operations="gloo", strategy_name=strategy
     )
-    assert_every_rank_says(proc, 2, message)
+    assert_refused_on_every_rank(cases[GLOO_OPERATIONS[strategy]], message)
 
 
-def test_norm_clipping_is_refused_on_every_rank(tmp_path):
-    proc = run_horovod(2, "fit", str(tmp_path), "--clip-value", "1.0", check=False, timeout=120)
-    assert proc.returncode != 0
+NORM_CLIPPING = fit("norm-clipping-refused", "--clip-value", "1.0")
+
+
+@pytest.mark.cases(NORM_CLIPPING)
+def test_norm_clipping_is_refused_on_every_rank(cases):
     message = expected_message(check_gradient_clipping, 1.0, None)
     assert "cannot clip gradients by norm (gradient_clip_val=1.0)" in message
-    assert_every_rank_says(proc, 2, message)
+    assert_refused_on_every_rank(cases[NORM_CLIPPING], message)
 
 
 # ---------------------------------------------------------------- configurations that must train correctly
-def local_sgd_delta(start, batches, lr, momentum=0.5, loss_scale=1.0, clip_value=None):
-    """One local SGD step of the tiny net from ``start`` on the mean loss of ``batches`` (Lightning divides
-    each micro-batch's loss by their number); returns {name: delta}."""
-    net = tiny_net()
-    net.load_state_dict(start)
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
-    for x, y in batches:
-        (torch.nn.functional.cross_entropy(net(x), y) * loss_scale / len(batches)).backward()
-    if clip_value is not None:
-        torch.nn.utils.clip_grad_value_(net.parameters(), clip_value)
-    opt.step()
-    return {k: v.detach() - start[k] for k, v in net.state_dict().items()}
+BF16 = fit("bf16-mixed", "--precision", "bf16-mixed")
 
 
-def strip(state):
-    return {k.removeprefix("net."): v for k, v in state.items()}
-
-
-def test_bf16_mixed_trains_identically(tmp_path):
-    run_horovod(2, "fit", str(tmp_path), "--precision", "bf16-mixed")
-    ranks = load_ranks(tmp_path, 2)
+@pytest.mark.cases(BF16)
+def test_bf16_mixed_trains_identically(cases):
+    ranks = cases[BF16].ranks
     assert all(res["global_step"] == 16 for res in ranks)
     assert_ranks_identical(ranks)
     assert not any(torch.equal(ranks[0]["start"][k], ranks[0]["end"][k]) for k in ranks[0]["end"])
 
 
-def test_fp16_compression_matches_fp32_within_fp16_tolerance(tmp_path):
-    fp32, fp16 = tmp_path / "fp32", tmp_path / "fp16"
-    fp32.mkdir(), fp16.mkdir()
-    run_horovod(2, "fit", str(fp32), "--max-steps", "3")
-    run_horovod(2, "fit", str(fp16), "--max-steps", "3", "--compression", "fp16")
-    a, b = load_ranks(fp32, 2), load_ranks(fp16, 2)
+FP32, FP16 = (
+    fit("three-steps-fp32", "--max-steps", "3"),
+    fit("three-steps-fp16", "--max-steps", "3", "--compression", "fp16"),
+)
+
+
+@pytest.mark.cases(FP32, FP16)
+def test_fp16_compression_matches_fp32_within_fp16_tolerance(cases):
+    a, b = cases[FP32].ranks, cases[FP16].ranks
     assert_ranks_identical(b)
     for name, tensor in a[0]["end"].items():
         change = (tensor - a[0]["start"][name]).abs().max().item()
@@ -111,27 +119,18 @@ def test_fp16_compression_matches_fp32_within_fp16_tolerance(tmp_path):
     assert any(not torch.equal(b[0]["end"][k], a[0]["end"][k]) for k in a[0]["end"])  # fp16 really was used
 
 
-def test_value_clipping_takes_effect_before_the_local_step(tmp_path):
-    lr, clip, scale = 1.0, 0.001, 1e4  # a huge loss: unclipped deltas would be ~1e4 larger
-    run_horovod(
-        2,
-        "fit",
-        str(tmp_path),
-        "--max-steps",
-        "1",
-        "--lr",
-        str(lr),
-        "--loss-scale",
-        str(scale),
-        "--clip-value",
-        str(clip),
-        "--clip-algorithm",
-        "value",
-    )
-    ranks = load_ranks(tmp_path, 2)
+LR, CLIP, SCALE = 1.0, 0.001, 1e4  # a huge loss: unclipped deltas would be ~1e4 larger
+VALUE_CLIPPING = fit("value-clipping", "--max-steps", "1", "--lr", str(LR), "--loss-scale", str(SCALE),
+                     "--clip-value", str(CLIP), "--clip-algorithm", "value")  # fmt: skip
+
+
+@pytest.mark.cases(VALUE_CLIPPING)
+def test_value_clipping_takes_effect_before_the_local_step(cases):
+    lr, clip, scale = LR, CLIP, SCALE
+    ranks = cases[VALUE_CLIPPING].ranks
     start = strip(ranks[0]["start"])
     deltas = [
-        local_sgd_delta(start, res["batches"][:1], lr, loss_scale=scale, clip_value=clip) for res in ranks
+        local_delta(start, res["batches"][:1], lr=lr, loss_scale=scale, clip_value=clip) for res in ranks
     ]
     for res in ranks:
         for name, end in strip(res["end"]).items():
@@ -142,21 +141,27 @@ def test_value_clipping_takes_effect_before_the_local_step(tmp_path):
             ).abs().max().item() <= 2 * lr * clip + 1e-7  # two clipped deltas at most
 
 
-def test_zero_update_on_one_rank_gives_the_other_ranks_update(tmp_path):
+ZERO_UPDATE = fit("zero-update-rank-0", "--max-steps", "1", "--lr", "0.1", "--zero-loss-rank", "0")
+
+
+@pytest.mark.cases(ZERO_UPDATE)
+def test_zero_update_on_one_rank_gives_the_other_ranks_update(cases):
     lr = 0.1
-    run_horovod(2, "fit", str(tmp_path), "--max-steps", "1", "--lr", str(lr), "--zero-loss-rank", "0")
-    ranks = load_ranks(tmp_path, 2)
+    ranks = cases[ZERO_UPDATE].ranks
     start = strip(ranks[0]["start"])
-    delta1 = local_sgd_delta(start, ranks[1]["batches"][:1], lr)
+    delta1 = local_delta(start, ranks[1]["batches"][:1], lr=lr)
     for res in ranks:
         for name, end in strip(res["end"]).items():
             assert not torch.isnan(end).any()
             assert torch.allclose(end, start[name] + delta1[name], rtol=1e-6, atol=1e-7), name
 
 
-def test_frozen_parameters_and_parameters_without_gradient(tmp_path):
-    run_horovod(2, "fit", str(tmp_path), "--model", "frozen_branch", "--epochs", "2")
-    ranks = load_ranks(tmp_path, 2)
+FROZEN = fit("frozen-branch", "--model", "frozen_branch", "--epochs", "2")
+
+
+@pytest.mark.cases(FROZEN)
+def test_frozen_parameters_and_parameters_without_gradient(cases):
+    ranks = cases[FROZEN].ranks
     assert_ranks_identical(ranks)
     for res in ranks:
         for name in ("frozen.weight", "frozen.bias"):
@@ -168,22 +173,28 @@ def test_frozen_parameters_and_parameters_without_gradient(tmp_path):
     assert not torch.equal(ranks[0]["end"]["branch.weight"], ranks[0]["start"]["branch.weight"])
 
 
+TWO_OPTIMIZERS = fit("two-optimizers", "--model", "two_optimizers", "--epochs", "2")
+
+
 @pytest.mark.compat_oldest
-def test_two_optimizers_with_manual_optimization(tmp_path):
-    run_horovod(2, "fit", str(tmp_path), "--model", "two_optimizers", "--epochs", "2")
-    ranks = load_ranks(tmp_path, 2)
+@pytest.mark.cases(TWO_OPTIMIZERS)
+def test_two_optimizers_with_manual_optimization(cases):
+    ranks = cases[TWO_OPTIMIZERS].ranks
     assert_ranks_identical(ranks)
     assert all(res["global_step"] == 32 for res in ranks)  # 8 batches × 2 epochs × 2 optimizer steps
     for name in ("net.0.weight", "head.weight"):
         assert not torch.equal(ranks[0]["end"][name], ranks[0]["start"][name])
 
 
-def test_accumulation_window_is_one_local_step_then_one_reduction(tmp_path):
+ACCUMULATION = fit("accumulate-3-one-step", "--max-steps", "1", "--lr", "0.1", "--accumulate", "3")
+
+
+@pytest.mark.cases(ACCUMULATION)
+def test_accumulation_window_is_one_local_step_then_one_reduction(cases):
     lr = 0.1
-    run_horovod(2, "fit", str(tmp_path), "--max-steps", "1", "--lr", str(lr), "--accumulate", "3")
-    ranks = load_ranks(tmp_path, 2)
+    ranks = cases[ACCUMULATION].ranks
     start = strip(ranks[0]["start"])
-    deltas = [local_sgd_delta(start, res["batches"][:3], lr) for res in ranks]
+    deltas = [local_delta(start, res["batches"][:3], lr=lr) for res in ranks]
     for res in ranks:
         assert res["global_step"] == 1 and len(res["indices"]) == 3 * 4  # three micro-batches of 4
         for name, end in strip(res["end"]).items():
@@ -191,11 +202,14 @@ def test_accumulation_window_is_one_local_step_then_one_reduction(tmp_path):
             assert torch.allclose(end, expected, rtol=1e-5, atol=1e-7), (name, (end - expected).abs().max())
 
 
+PARTIAL_WINDOW = fit("accumulate-3-partial-window", "--samples", "80", "--epochs", "3", "--accumulate", "3")
+
+
 @pytest.mark.compat_oldest
-def test_accumulation_partial_window_at_epoch_end(tmp_path):
+@pytest.mark.cases(PARTIAL_WINDOW)
+def test_accumulation_partial_window_at_epoch_end(cases):
     # 80 samples / 2 ranks / batch 4 = 10 batches per epoch = windows of 3 + 3 + 3 + 1.
-    run_horovod(2, "fit", str(tmp_path), "--samples", "80", "--epochs", "3", "--accumulate", "3")
-    ranks = load_ranks(tmp_path, 2)
+    ranks = cases[PARTIAL_WINDOW].ranks
     assert_ranks_identical(ranks)
     for res in ranks:
         assert res["global_step"] == 12  # 4 steps per epoch: the partial window is stepped, not carried over
@@ -203,9 +217,12 @@ def test_accumulation_partial_window_at_epoch_end(tmp_path):
         assert res["epoch_start_delays"] == [([3], 0)] * 3
 
 
-def test_schedulers_step_alike_and_are_not_scaled(tmp_path):
-    run_horovod(2, "fit", str(tmp_path), "--scheduler", "step", "--epochs", "3", "--lr", "0.2")
-    ranks = load_ranks(tmp_path, 2)
+SCHEDULER = fit("step-scheduler", "--scheduler", "step", "--epochs", "3", "--lr", "0.2")
+
+
+@pytest.mark.cases(SCHEDULER)
+def test_schedulers_step_alike_and_are_not_scaled(cases):
+    ranks = cases[SCHEDULER].ranks
     for res in ranks:
         assert res["base_lrs"] == [pytest.approx(0.2)]
         assert res["lrs"] == [pytest.approx(0.2)] * 8 + [pytest.approx(0.1)] * 8 + [pytest.approx(0.05)] * 8

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from adasum_lightning import _namespaces
-from tests.helpers import ROOT, assert_ranks_identical, load_ranks, mpi_env, plain_env, run_horovod
+from tests.cases import Launch, case
+from tests.helpers import ROOT, assert_ranks_identical, mpi_env
 from tests.workers.lightning import PACKAGE
 
 PACKAGES = ["pytorch_lightning", "lightning.pytorch"]
@@ -24,8 +25,22 @@ needs_lightning = pytest.mark.skipif(
 )
 
 
-def _package_param(package: str):
-    return pytest.param(package, marks=needs_lightning) if package == "lightning.pytorch" else package
+def _package_param(package: str, *marks):
+    return pytest.param(package, marks=[*marks, *[needs_lightning] * (package == "lightning.pytorch")])
+
+
+def packages_fit(launcher: str, package: str, strategy: str, by: str):
+    """A fit in a launch whose cases import ``package`` only (as a user's script would)."""
+    return case(Launch(launcher, 2, group=package), f"packages-{package}-{strategy}-{by}", "packages",
+                "--package", package, "--strategy", strategy, "--by", by)  # fmt: skip
+
+
+def horovod_fit(package: str, strategy: str, by: str):
+    return packages_fit("horovodrun", package, strategy, by)
+
+
+def ddp_adasum_fit(package: str, by: str):
+    return packages_fit("lightning", package, "ddp_adasum", by)
 
 
 def copy_for(package: str) -> str:
@@ -45,28 +60,41 @@ def check_fit(ranks: list[dict], package: str, strategy_class: str, np: int = 2)
     assert_ranks_identical(ranks)
 
 
+HOROVOD_CLASSES = {"horovod_adasum": "HorovodAdasumStrategy", "horovod": "HorovodStrategy"}
+
+
 @pytest.mark.mpi
 @pytest.mark.compat_oldest
-@pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
-@pytest.mark.parametrize("by", ["name", "instance"])
 @pytest.mark.parametrize(
-    ("strategy", "cls"), [("horovod_adasum", "HorovodAdasumStrategy"), ("horovod", "HorovodStrategy")]
+    "package",
+    [
+        _package_param(
+            p,
+            pytest.mark.cases(
+                *(horovod_fit(p, s, by) for s in HOROVOD_CLASSES for by in ("name", "instance"))
+            ),
+        )
+        for p in PACKAGES
+    ],
 )
-def test_horovod_strategies_with_each_package(package, by, strategy, cls, tmp_path):
-    run_horovod(2, "packages", str(tmp_path), "--package", package, "--strategy", strategy, "--by", by)
-    check_fit(load_ranks(tmp_path, 2), package, cls)
+@pytest.mark.parametrize("by", ["name", "instance"])
+@pytest.mark.parametrize("strategy", list(HOROVOD_CLASSES))
+def test_horovod_strategies_with_each_package(package, by, strategy, cases):
+    check_fit(cases[horovod_fit(package, strategy, by)].ranks, package, HOROVOD_CLASSES[strategy])
 
 
 @pytest.mark.mpi
 @pytest.mark.compat_oldest
-@pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
+@pytest.mark.parametrize(
+    "package",
+    [
+        _package_param(p, pytest.mark.cases(*(ddp_adasum_fit(p, by) for by in ("name", "instance"))))
+        for p in PACKAGES
+    ],
+)
 @pytest.mark.parametrize("by", ["name", "instance"])
-def test_ddp_adasum_with_each_package_launched_by_lightning(package, by, tmp_path):
-    cmd = [sys.executable, "-m", "tests.workers.packages", str(tmp_path), "--package", package,
-           "--strategy", "ddp_adasum", "--by", by, "--devices", "2"]  # fmt: skip
-    proc = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    check_fit(load_ranks(tmp_path, 2), package, "DDPAdasumStrategy")
+def test_ddp_adasum_with_each_package_launched_by_lightning(package, by, cases):
+    check_fit(cases[ddp_adasum_fit(package, by)].ranks, package, "DDPAdasumStrategy")
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

@@ -3,7 +3,7 @@
 Each rank keeps its own optimizer state under Adasum, so every rank's state is saved with the checkpoint
 (rank 0's inside it, rank r's beside it in ``<file>.rank<r>-optimizer.pt``) and restored on its own rank. Real
 processes (``tests/workers/fit.py``: Lightning's launcher for ``ddp_adasum``/``ddp``, ``horovodrun`` for the
-Horovod strategies), every rank checked.
+Horovod strategies) run as cases of a few launches (``tests/cases.py``); every rank checked.
 """
 
 from __future__ import annotations
@@ -15,25 +15,20 @@ import torch
 
 from adasum_lightning.trainer._base import RANK_OPTIMIZER_STATES, rank_optimizer_path
 from adasum_lightning.validation import scaled_learning_rate_message
-from tests.helpers import assert_ranks_identical, load_ranks, run_horovod, run_lightning
+from tests.cases import Launch, case
+from tests.helpers import assert_ranks_identical
 
 pytestmark = pytest.mark.mpi
 
 STEPS_PER_EPOCH = {1: 16, 2: 8, 4: 4}  # 64 samples, batch 4, a DistributedSampler shard per rank
 
 
-def fit(strategy: str, np: int, out: Path, *args: str) -> list[dict]:
-    worker_args = [str(out), "--strategy", strategy, *args]
-    if strategy in ("ddp_adasum", "ddp"):
-        run_lightning(np, "fit", *worker_args, timeout=240)
-    else:
-        run_horovod(np, "fit", *worker_args, timeout=240)
-    return load_ranks(out, np)
+def launch(strategy: str, np: int, phase: int = 0) -> Launch:
+    return Launch("lightning" if strategy in ("ddp_adasum", "ddp") else "horovodrun", np, phase)
 
 
-def resume(strategy: str, np: int, out: Path, ckpt: Path, *args: str) -> list[dict]:
-    """A fit for 2 epochs in all from ``ckpt``."""
-    return fit(strategy, np, out, "--epochs", "2", "--ckpt-path", str(ckpt), *args)
+def fit(name: str, strategy: str, np: int, *args: str, phase: int = 0):
+    return case(launch(strategy, np, phase), name, "fit", "--strategy", strategy, *args)
 
 
 def checkpoint_of(out: Path) -> Path:
@@ -48,98 +43,147 @@ def assert_same_state(a: dict, b: dict, what: str) -> None:
             assert torch.equal(tensor, b[key][name]), (what, key, name)
 
 
+# ---------------------------------------------------------------- same world size: whole = first + resumed
+def stop_and_resume(strategy: str, optimizer: str):
+    lr = "0.05" if optimizer == "sgd" else "0.01"
+    options = ("--optimizer", optimizer, "--lr", lr, "--momentum", "0.9")
+    name = f"resume-{strategy}-{optimizer}"
+    return (
+        fit(f"{name}-whole", strategy, 2, "--epochs", "2", *options),
+        fit(f"{name}-first", strategy, 2, "--epochs", "1", *options),
+        fit(f"{name}-resumed", strategy, 2, "--epochs", "2", "--ckpt-path", f"{{{name}-first}}", *options),
+    )
+
+
+COMPAT = ("ddp_adasum", "sgd")  # the case make test-compat runs against the other Lightning releases
+STOP_AND_RESUME = {
+    (s, o): stop_and_resume(s, o)
+    for s, o in [("ddp_adasum", "sgd"), ("ddp_adasum", "adam"), ("horovod_adasum", "sgd"), ("horovod", "sgd")]
+}
+
+
 @pytest.mark.parametrize(
     "strategy, optimizer",
     [
-        pytest.param("ddp_adasum", "sgd", marks=pytest.mark.compat),
-        ("ddp_adasum", "adam"),
-        ("horovod_adasum", "sgd"),
-        ("horovod", "sgd"),
+        pytest.param(s, o, marks=[pytest.mark.cases(*cs), *[pytest.mark.compat] * ((s, o) == COMPAT)])
+        for (s, o), cs in STOP_AND_RESUME.items()
     ],
-)
-def test_stop_and_resume_at_an_epoch_boundary_equals_an_uninterrupted_run(strategy, optimizer, tmp_path):
-    lr = "0.05" if optimizer == "sgd" else "0.01"
-    options = ["--optimizer", optimizer, "--lr", lr, "--momentum", "0.9"]
-    whole = fit(strategy, 2, tmp_path / "whole", "--epochs", "2", *options)
-    first = fit(strategy, 2, tmp_path / "first", "--epochs", "1", *options)
-    ckpt = checkpoint_of(tmp_path / "first")
+)  # fmt: skip
+def test_stop_and_resume_at_an_epoch_boundary_equals_an_uninterrupted_run(strategy, optimizer, cases):
+    whole, first, resumed = (cases[c] for c in STOP_AND_RESUME[strategy, optimizer])
+    ckpt = checkpoint_of(first.out)
     assert Path(rank_optimizer_path(ckpt, 1)).is_file()
     assert torch.load(ckpt, weights_only=False)[RANK_OPTIMIZER_STATES]["world_size"] == 2
-    resumed = resume(strategy, 2, tmp_path / "resumed", ckpt, *options)
     for r in range(2):
-        assert resumed[r]["global_step_start"] == 8
-        assert resumed[r]["global_step"] == whole[r]["global_step"] == 16
+        assert resumed.ranks[r]["global_step_start"] == 8
+        assert resumed.ranks[r]["global_step"] == whole.ranks[r]["global_step"] == 16
         # every rank resumed from its own optimizer state (they differ: each rank's own gradients)
-        assert_same_state(resumed[r]["start_opt_state"], first[r]["end_opt_state"], f"rank {r} resumed state")
-        for name, tensor in whole[r]["end"].items():
-            assert torch.equal(resumed[r]["end"][name], tensor), (strategy, r, name)
+        assert_same_state(resumed.ranks[r]["start_opt_state"], first.ranks[r]["end_opt_state"], f"rank {r}")
+        for name, tensor in whole.ranks[r]["end"].items():
+            assert torch.equal(resumed.ranks[r]["end"][name], tensor), (strategy, r, name)
     if strategy != "horovod":  # averaging gives every rank the same state; Adasum does not
         with pytest.raises(AssertionError):
-            assert_same_state(first[0]["end_opt_state"], first[1]["end_opt_state"], "ranks' own states")
+            assert_same_state(first.ranks[0]["end_opt_state"], first.ranks[1]["end_opt_state"], "own states")
     # ModelCheckpoint kept only the last epoch: the removed checkpoint took its rank file with it
-    assert sorted(p.name for p in checkpoint_of(tmp_path / "whole").parent.iterdir()) == [
+    assert sorted(p.name for p in checkpoint_of(whole.out).parent.iterdir()) == [
         "epoch=1-step=16.ckpt",
         "epoch=1-step=16.ckpt.rank1-optimizer.pt",
     ]
 
 
-@pytest.mark.parametrize("strategy", ["ddp_adasum", "horovod_adasum", "horovod"])
-@pytest.mark.parametrize("old, new", [(2, 4), (4, 2), (2, 1)])
-def test_resume_at_another_world_size_maps_old_ranks_to_new(strategy, old, new, tmp_path):
-    if strategy != "ddp_adasum" and (old, new) == (2, 1):
-        pytest.skip("one process under horovodrun is the 2 → 1 case of ddp_adasum")
-    saved = fit(strategy, old, tmp_path / "saved", "--epochs", "1", "--lr", "0.05")
-    ckpt = checkpoint_of(tmp_path / "saved")
-    resumed = resume(strategy, new, tmp_path / "resumed", ckpt, "--lr", "0.05")
-    assert_ranks_identical(resumed)
+# ---------------------------------------------------------------- another world size
+def saved(strategy: str, np: int):
+    """One epoch at lr 0.05 on ``np`` ranks: the checkpoint the resumes below start from."""
+    return fit(f"saved-{strategy}-{np}", strategy, np, "--epochs", "1", "--lr", "0.05")
+
+
+def resumed(strategy: str, np: int, source, name: str | None = None, *args: str):
+    """Two epochs in all at lr 0.05 on ``np`` ranks from ``source``'s checkpoint, in a later launch."""
+    name = name or f"resumed-{strategy}-{np}-from-{source.name}"
+    return fit(name, strategy, np, "--epochs", "2", "--ckpt-path", f"{{{source.name}}}", "--lr", "0.05",
+               *args, phase=1)  # fmt: skip
+
+
+WORLD_SIZES = [
+    (s, old, new)
+    for s in ("ddp_adasum", "horovod_adasum", "horovod")
+    for old, new in ((2, 4), (4, 2), (2, 1))
+    if s == "ddp_adasum" or (old, new) != (2, 1)  # one process under horovodrun: the 2 → 1 of ddp_adasum
+]
+ANOTHER_WORLD_SIZE = {
+    (s, old, new): (saved(s, old), resumed(s, new, saved(s, old))) for s, old, new in WORLD_SIZES
+}
+
+
+@pytest.mark.parametrize(
+    "strategy, old, new",
+    [pytest.param(*k, marks=pytest.mark.cases(*cs)) for k, cs in ANOTHER_WORLD_SIZE.items()],
+)
+def test_resume_at_another_world_size_maps_old_ranks_to_new(strategy, old, new, cases):
+    before, after = (cases[c] for c in ANOTHER_WORLD_SIZE[strategy, old, new])
+    assert_ranks_identical(after.ranks)
     factor = new if strategy == "horovod" else 1  # lr_scaling="auto" at the new world size
-    for r, res in enumerate(resumed):
+    for r, res in enumerate(after.ranks):
         assert res["world_size"] == new and res["global_step_start"] == STEPS_PER_EPOCH[old]
         assert res["global_step"] == STEPS_PER_EPOCH[old] + STEPS_PER_EPOCH[new]
-        assert_same_state(res["start_opt_state"], saved[r % old]["end_opt_state"], f"new rank {r}")
+        assert_same_state(res["start_opt_state"], before.ranks[r % old]["end_opt_state"], f"new rank {r}")
         assert res["lrs"][0] == pytest.approx(0.05 * factor)
 
 
-def test_a_ddp_checkpoint_resumes_under_ddp_adasum_from_rank_zeros_state(tmp_path):
-    saved = fit("ddp", 2, tmp_path / "ddp", "--epochs", "1", "--lr", "0.05")
-    ckpt = checkpoint_of(tmp_path / "ddp")
-    assert RANK_OPTIMIZER_STATES not in torch.load(ckpt, weights_only=False)
-    resumed = resume("ddp_adasum", 2, tmp_path / "adasum", ckpt, "--lr", "0.05")
-    assert_ranks_identical(resumed)
-    for res in resumed:  # under ddp every rank's state was the same; the checkpoint holds it
+# ---------------------------------------------------------------- across strategies
+DDP_TO_ADASUM = (saved("ddp", 2), resumed("ddp_adasum", 2, saved("ddp", 2)))
+HOROVOD_TO_DDP = (saved("horovod_adasum", 2), resumed("ddp_adasum", 2, saved("horovod_adasum", 2)))
+
+
+@pytest.mark.cases(*DDP_TO_ADASUM)
+def test_a_ddp_checkpoint_resumes_under_ddp_adasum_from_rank_zeros_state(cases):
+    before, after = (cases[c] for c in DDP_TO_ADASUM)
+    assert RANK_OPTIMIZER_STATES not in torch.load(checkpoint_of(before.out), weights_only=False)
+    assert_ranks_identical(after.ranks)
+    for res in after.ranks:  # under ddp every rank's state was the same; the checkpoint holds it
         assert res["global_step_start"] == 8 and res["global_step"] == 16
-        assert_same_state(res["start_opt_state"], saved[0]["end_opt_state"], "ddp state")
+        assert_same_state(res["start_opt_state"], before.ranks[0]["end_opt_state"], "ddp state")
 
 
-def test_a_horovod_adasum_checkpoint_resumes_under_ddp_adasum_with_each_ranks_state(tmp_path):
-    saved = fit("horovod_adasum", 2, tmp_path / "horovod", "--epochs", "1", "--lr", "0.05")
-    ckpt = checkpoint_of(tmp_path / "horovod")
-    resumed = resume("ddp_adasum", 2, tmp_path / "ddp", ckpt, "--lr", "0.05")
-    assert_ranks_identical(resumed)
-    for r, res in enumerate(resumed):
-        assert_same_state(res["start_opt_state"], saved[r]["end_opt_state"], f"rank {r}")
+@pytest.mark.cases(*HOROVOD_TO_DDP)
+def test_a_horovod_adasum_checkpoint_resumes_under_ddp_adasum_with_each_ranks_state(cases):
+    before, after = (cases[c] for c in HOROVOD_TO_DDP)
+    assert_ranks_identical(after.ranks)
+    for r, res in enumerate(after.ranks):
+        assert_same_state(res["start_opt_state"], before.ranks[r]["end_opt_state"], f"rank {r}")
 
 
-def test_a_missing_rank_file_resumes_that_rank_from_rank_zeros_state_with_a_warning(tmp_path):
-    saved = fit("ddp_adasum", 2, tmp_path / "saved", "--epochs", "1", "--lr", "0.05")
-    ckpt = checkpoint_of(tmp_path / "saved")
-    Path(rank_optimizer_path(ckpt, 1)).unlink()
-    out = tmp_path / "resumed"
-    proc = run_lightning(2, "fit", str(out), "--strategy", "ddp_adasum", "--epochs", "2", "--ckpt-path",
-                         str(ckpt), "--lr", "0.05")  # fmt: skip
-    resumed = load_ranks(out, 2)
-    assert f"[rank 1] {rank_optimizer_path(ckpt, 1)} is missing" in proc.stderr
-    assert_same_state(resumed[1]["start_opt_state"], saved[0]["end_opt_state"], "rank 0's state on rank 1")
-    assert_ranks_identical(resumed)
+# ---------------------------------------------------------------- a lost rank file
+LOST = fit("lost-rank-file-saved", "ddp_adasum", 2, "--epochs", "1", "--lr", "0.05")
+MISSING_RANK_FILE = (
+    LOST,
+    case(Launch("lightning", 2, phase=1), "lost-rank-file-drop", "drop_rank_file", f"{{{LOST.name}}}", "1"),
+    resumed("ddp_adasum", 2, LOST, "lost-rank-file-resumed"),
+)
 
 
-def test_horovod_after_lr_find_warns_that_it_multiplied_the_learning_rate(tmp_path):
-    proc = run_horovod(2, "fit", str(tmp_path), "--strategy", "horovod", "--epochs", "1", "--lr-find",
-                       "--samples", "256")  # fmt: skip
-    ranks = load_ranks(tmp_path, 2)
-    suggestion = ranks[0]["lr_find_suggestion"]
-    assert suggestion is not None and all(res["lr_find_suggestion"] == suggestion for res in ranks)
-    for res in ranks:
+@pytest.mark.cases(*MISSING_RANK_FILE)
+def test_a_missing_rank_file_resumes_that_rank_from_rank_zeros_state_with_a_warning(cases):
+    before, dropped, after = (cases[c] for c in MISSING_RANK_FILE)
+    ckpt = checkpoint_of(before.out)
+    assert [s["status"] for s in dropped.statuses] == ["ok", "ok"]
+    assert not Path(rank_optimizer_path(ckpt, 1)).exists()
+    assert f"[rank 1] {rank_optimizer_path(ckpt, 1)} is missing" in after.output
+    assert_same_state(
+        after.ranks[1]["start_opt_state"], before.ranks[0]["end_opt_state"], "rank 0's on rank 1"
+    )
+    assert_ranks_identical(after.ranks)
+
+
+# ---------------------------------------------------------------- lr_find
+LR_FIND = fit("lr-find-horovod", "horovod", 2, "--epochs", "1", "--lr-find", "--samples", "256")
+
+
+@pytest.mark.cases(LR_FIND)
+def test_horovod_after_lr_find_warns_that_it_multiplied_the_learning_rate(cases):
+    result = cases[LR_FIND]
+    suggestion = result.ranks[0]["lr_find_suggestion"]
+    assert suggestion is not None and all(res["lr_find_suggestion"] == suggestion for res in result.ranks)
+    for res in result.ranks:
         assert res["start_lr"] == pytest.approx(2 * suggestion)  # what the warning says
-    message = scaled_learning_rate_message("horovod", 2.0)
-    assert proc.stderr.count(message) + proc.stdout.count(message) >= 1
+    assert scaled_learning_rate_message("horovod", 2.0) in result.output

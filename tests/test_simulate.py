@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from adasum_lightning.ops import adasum
 from adasum_lightning.simulate import simulate, steps_per_epoch
-from tests.helpers import run_horovod
+from tests.cases import Launch, case
 from tests.workers.lightning import pl
 from tests.workers.sim_match import BATCH, LR, SimNet, teacher_data  # noqa: E402
 
@@ -129,14 +129,22 @@ def test_history_target_and_errors():
         simulate(_fresh(), data, num_workers=2, batch_size=BATCH, method="sum", progress=False)
 
 
+SIM_MATCH = {
+    np: case(Launch("horovodrun", np), f"sim-match-{np}", "sim_match", "--strategy", "horovod_adasum",
+             "--steps", "300", "--seed", "7")
+    for np in (2, 4)
+}  # fmt: skip
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize(("np", "strategy"), [(2, "horovod_adasum"), (4, "horovod_adasum")])
-def test_simulation_matches_real_horovod_after_300_steps(np, strategy, tmp_path):
-    out = tmp_path / "rank0.pt"
-    run_horovod(
-        np, "sim_match", str(out), "--strategy", strategy, "--steps", "300", "--seed", "7", timeout=120
-    )
-    real = torch.load(out, weights_only=False)
+@pytest.mark.parametrize(
+    ("np", "strategy"),
+    [pytest.param(np, "horovod_adasum", marks=pytest.mark.cases(c)) for np, c in SIM_MATCH.items()],
+)
+def test_simulation_matches_real_horovod_after_300_steps(np, strategy, cases):
+    result = cases[SIM_MATCH[np]]
+    assert [s["status"] for s in result.statuses] == ["ok"] * np
+    real = torch.load(result.out / "rank0.pt", weights_only=False)
     assert real["global_step"] == 300 and real["world_size"] == np and real["sampler_seed"] == 7
     module = _fresh(seed=7)
     start = {k: v.clone() for k, v in module.state_dict().items()}

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import assert_ranks_identical, load_ranks, run_torchrun
+from tests.cases import Launch, case
+from tests.helpers import assert_ranks_identical
 
 pytestmark = pytest.mark.mpi
 
+STEPS = {
+    (np, o): case(Launch("torchrun", np), f"step-paths-{np}-{o}", "step_paths", o)
+    for np in (2, 3, 4)
+    for o in ("sgd", "adam")
+}
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("np", [2, 3, 4])
-def test_the_step_equals_the_reference_step_bitwise(np, optimizer, tmp_path):
-    run_torchrun(np, "step_paths", str(tmp_path), optimizer)
-    ranks = load_ranks(tmp_path, np)
+
+@pytest.mark.parametrize(
+    ("np", "optimizer"), [pytest.param(*k, marks=pytest.mark.cases(c)) for k, c in STEPS.items()]
+)
+def test_the_step_equals_the_reference_step_bitwise(np, optimizer, cases):
+    ranks = cases[STEPS[np, optimizer]].ranks
     for r, res in enumerate(ranks):
         assert all(res["identical"].values()), (r, [k for k, same in res["identical"].items() if not same])
         names = {f"{m}.{w}" for m in ("frozen", "body", "head", "branch") for w in ("weight", "bias")}

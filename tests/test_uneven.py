@@ -3,7 +3,8 @@
 Rank r holds 4 + r training batches (``tests/workers/uneven.py``: no DistributedSampler). Every strategy stops
 both ranks after 4, warns once on rank 0 naming the counts, and keeps the ranks identical; an uneven
 validation loop with an epoch-level ``sync_dist`` sum finishes and sums every rank's data. Plain loops use
-``EvenBatches`` themselves (``tests/workers/even_batches.py``). Real processes, every rank checked.
+``EvenBatches`` themselves (``tests/workers/even_batches.py``). Real processes (cases of a few launches:
+``tests/cases.py``), every rank checked.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from adasum_lightning.uneven import EvenBatches, uneven_message
-from tests.helpers import assert_ranks_identical, load_ranks, run_horovod, run_lightning, run_torchrun
+from tests.cases import Launch, case
+from tests.helpers import assert_ranks_identical, load_ranks
 from tests.workers.samples import IndexedData
 
 pytestmark = pytest.mark.mpi
@@ -21,21 +23,23 @@ DATA = IndexedData(128)
 VAL_SUM = float(DATA.x[96:104, 0].sum() + DATA.x[108:120, 0].sum())
 
 
-def fit(strategy: str, loader: str, out, *args: str, check: bool = True):
-    worker_args = [str(out), "--strategy", strategy, "--loader", loader, *args]
-    if strategy == "ddp_adasum":
-        return run_lightning(2, "uneven", *worker_args, timeout=180, check=check)
-    return run_horovod(2, "uneven", *worker_args, timeout=180, check=check)
+def fit(strategy: str, loader: str, *args: str):
+    launch = Launch("lightning" if strategy == "ddp_adasum" else "horovodrun", 2)
+    name = "-".join(["uneven", strategy, loader, *(a.strip("-") for a in args)])
+    return case(launch, name, "uneven", "--strategy", strategy, "--loader", loader, *args)
 
 
 @pytest.mark.parametrize(
-    "strategy",
-    [pytest.param("ddp_adasum", marks=pytest.mark.compat), "horovod_adasum", "horovod"],
-)
-@pytest.mark.parametrize("loader", ["sized", "iterable"])
-def test_uneven_batch_counts_stop_every_rank_at_the_shortest(strategy, loader, tmp_path):
-    fit(strategy, loader, tmp_path, "--validate")
-    ranks = load_ranks(tmp_path, 2)
+    "strategy, loader",
+    [
+        pytest.param(s, loader, marks=[pytest.mark.cases(fit(s, loader, "--validate")),
+                                       *[pytest.mark.compat] * (s == "ddp_adasum")])
+        for s in ("ddp_adasum", "horovod_adasum", "horovod")
+        for loader in ("sized", "iterable")
+    ],
+)  # fmt: skip
+def test_uneven_batch_counts_stop_every_rank_at_the_shortest(strategy, loader, cases):
+    ranks = cases[fit(strategy, loader, "--validate")].ranks
     counts = ["4", "5"] if loader == "sized" else ["4", "more than 4"]
     assert ranks[0]["warnings"] == [uneven_message("training", counts, 4, refuse=False)]  # once per fit
     assert ranks[1]["warnings"] == []  # rank 0 only
@@ -45,31 +49,46 @@ def test_uneven_batch_counts_stop_every_rank_at_the_shortest(strategy, loader, t
     assert_ranks_identical(ranks)
 
 
-@pytest.mark.parametrize("loader", ["sized", "iterable"])
-def test_uneven_inputs_error_refuses_on_every_rank(loader, tmp_path):
-    proc = fit("ddp_adasum", loader, tmp_path, "--uneven", "error", check=False)
-    assert proc.returncode != 0
+def refusing(loader: str):
+    return fit("ddp_adasum", loader, "--uneven", "error")
+
+
+@pytest.mark.parametrize(
+    "loader", [pytest.param(k, marks=pytest.mark.cases(refusing(k))) for k in ("sized", "iterable")]
+)
+def test_uneven_inputs_error_refuses_on_every_rank(loader, cases):
+    result = cases[refusing(loader)]
+    assert [s["status"] for s in result.statuses] == ["error"] * 2  # the worker exits non-zero
     counts = ["4", "5"] if loader == "sized" else ["4", "more than 4"]
-    for res in load_ranks(tmp_path, 2):
+    for res in load_ranks(result.out, 2):
         assert res["error"] == "UnevenInputsError: " + uneven_message("training", counts, 4, refuse=True)
         # sized: refused before the first step; iterable: when the first rank runs out, which Lightning's
         # one-batch-ahead fetch sees while the 4th step is about to run
         assert res["global_step"] == (0 if loader == "sized" else 3)
 
 
-@pytest.mark.parametrize("loader", ["sized", "iterable", "promising"])
-def test_even_batches_in_a_plain_loop(loader, tmp_path):
+def plain_loop(loader: str, uneven: str):
+    return case(Launch("torchrun", 2), f"even-batches-{loader}-{uneven}", "even_batches", loader, uneven)
+
+
+@pytest.mark.parametrize(
+    "loader",
+    [
+        pytest.param(k, marks=pytest.mark.cases(plain_loop(k, "truncate")))
+        for k in ("sized", "iterable", "promising")
+    ],
+)
+def test_even_batches_in_a_plain_loop(loader, cases):
     # promising: an IterableDataset whose len() says 5 on both ranks; rank 0 yields 4: agreed per step anyway
-    run_torchrun(2, "even_batches", str(tmp_path), loader, "truncate")
-    ranks = load_ranks(tmp_path, 2)
+    ranks = cases[plain_loop(loader, "truncate")].ranks
     counts = ["4", "5"] if loader == "sized" else ["4", "more than 4"]
     assert ranks[0]["warnings"] == [uneven_message("training", counts, 4, refuse=False)]
     assert ranks[1]["warnings"] == [] and all(res["seen"] == [0, 1, 2, 3] for res in ranks)
 
 
-def test_even_batches_error_in_a_plain_loop(tmp_path):
-    run_torchrun(2, "even_batches", str(tmp_path), "sized", "error")
-    for res in load_ranks(tmp_path, 2):
+@pytest.mark.cases(plain_loop("sized", "error"))
+def test_even_batches_error_in_a_plain_loop(cases):
+    for res in cases[plain_loop("sized", "error")].ranks:
         assert res["seen"] == [] and res["error"] == uneven_message("training", ["4", "5"], 4, refuse=True)
 
 

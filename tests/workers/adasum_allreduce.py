@@ -1,12 +1,12 @@
 """Worker: ``adasum_allreduce`` on real processes; every rank saves its inputs and results.
 
 usage:
-  torchrun --standalone --nproc-per-node N -m tests.workers.adasum_allreduce gloo OUT_DIR [K ...]
+  torchrun --standalone --nproc-per-node N -m tests.workers.adasum_allreduce OUT_DIR gloo [K ...]
       a Gloo process group of N ranks: one call over the default group with every case (four dtypes, so
       four buckets), one call with a single contiguous tensor, one over the sub-group of ranks 1 … N-1
       (rank 0 is no member and calls too), and for each K one with every case over ranks 0 … K-1; the
       calls with every case and the single tensor run through both paths (binomial tree and halving).
-  horovodrun -np N python -m tests.workers.adasum_allreduce horovod OUT_DIR
+  horovodrun -np N python -m tests.workers.adasum_allreduce OUT_DIR horovod
       Horovod plus a Gloo group of the same ranks: Horovod's own Adasum allreduce per tensor, then
       ``adasum_allreduce`` of the same inputs in one call.
 
@@ -15,7 +15,6 @@ Every rank writes ``OUT_DIR/rank{r}.pt``; the tests compute the expected values 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import adasum_lightning.allreduce as ar
 from adasum_lightning.allreduce import adasum_allreduce
 from adasum_lightning.ops import ADASUM_NORM_EPS
+from tests.workers import cases as runner
 
 
 def large(rank: int) -> torch.Tensor:
@@ -101,7 +101,7 @@ def all_cases_call(rank: int, path: str, group: dist.ProcessGroup | None = None)
 
 
 def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
-    dist.init_process_group("gloo")
+    runner.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     result = {"rank": rank, "size": size, "world": [all_cases_call(rank, path) for path in PATHS]}
     # A single contiguous tensor (reduced in its own memory), passed as a tuple; both paths.
@@ -129,7 +129,7 @@ def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
         result["prefix"][k] = [all_cases_call(rank, path, group) for path in PATHS] if rank < k else None
     dist.barrier()
     torch.save(result, out_dir / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    runner.destroy_process_group()
 
 
 def horovod(out_dir: Path) -> None:
@@ -140,7 +140,9 @@ def horovod(out_dir: Path) -> None:
     rank, size = hvd.rank(), hvd.size()
     port = find_free_network_port() if rank == 0 else 0
     port = hvd.broadcast_object(port, root_rank=0, name="gloo_port")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    own_group = not dist.is_initialized()  # a Fabric horovod case of the same launch may have made one
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     inputs = {str(dt): cases(rank, dt) for dt in (torch.float32, torch.float64)}
     for per_dtype in inputs.values():
         del per_dtype["empty"]  # Horovod's Adasum of an empty tensor is not defined
@@ -164,13 +166,15 @@ def horovod(out_dir: Path) -> None:
         "eps": ADASUM_NORM_EPS,
     }
     torch.save(result, out_dir / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    mode, out = sys.argv[1], Path(sys.argv[2])
+    argv = runner.argv()
+    out, mode = Path(argv[0]), argv[1]
     torch.set_num_threads(1)
     if mode == "gloo":
-        gloo(out, [int(k) for k in sys.argv[3:]])
+        gloo(out, [int(k) for k in argv[2:]])
     else:
         horovod(out)

@@ -3,16 +3,17 @@
 usage: collectives.py OUT_DIR        (every rank writes OUT_DIR/rank{r}.pt)
 """
 
-import sys
 from pathlib import Path
 
 import horovod.torch as hvd
 import torch
 
 from adasum_lightning.ops import adasum_reduce
+from tests.workers import cases
 from tests.workers.lightning import HorovodAdasumStrategy, pl
 
-out = Path(sys.argv[1])
+argv = cases.argv()
+out = Path(argv[0])
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 result = {"rank": rank, "size": size, "adasum": {}}

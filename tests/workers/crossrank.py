@@ -30,6 +30,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.workers import cases
 from tests.workers.lightning import callbacks, pl
 
 p = argparse.ArgumentParser()
@@ -43,7 +44,7 @@ p.add_argument("--convert-sync-bn", action="store_true")
 p.add_argument("--pass-horovod-sync-kwargs", action="store_true")
 p.add_argument("--sigterm-step", type=int, default=3)
 p.add_argument("--steps", type=int, default=4)
-args = p.parse_args()
+args = p.parse_args(cases.argv())
 out = Path(args.out)
 
 

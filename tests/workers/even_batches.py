@@ -6,7 +6,6 @@ KIND: ``sized`` (a list), ``iterable`` (an iterator), or ``promising`` (a DataLo
 IterableDataset whose ``len()`` says 5 on every rank, while rank r yields 4 + r items).
 """
 
-import sys
 import warnings
 from pathlib import Path
 
@@ -14,9 +13,11 @@ import torch
 import torch.distributed as dist
 
 from adasum_lightning.uneven import EvenBatches, UnevenInputsError
+from tests.workers import cases
 
-out, kind, uneven = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-dist.init_process_group("gloo")
+argv = cases.argv()
+out, kind, uneven = Path(argv[0]), argv[1], argv[2]
+cases.init_process_group("gloo")
 rank = dist.get_rank()
 batches = [torch.full((2,), float(i)) for i in range(4 + rank)]
 
@@ -44,4 +45,4 @@ with warnings.catch_warnings(record=True) as caught:
         error = str(err)
 messages = [str(w.message) for w in caught]
 torch.save({"seen": seen, "warnings": messages, "error": error}, out / f"rank{rank}.pt")
-dist.destroy_process_group()
+cases.destroy_process_group()

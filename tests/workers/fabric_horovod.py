@@ -29,12 +29,13 @@ from torch.utils.data import DataLoader
 
 from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.validation import AdasumConfigurationError
+from tests.workers import cases
 from tests.workers.samples import IndexedData, tiny_net
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("--jobs", required=True)
-args = p.parse_args()
+args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
 if "alone" in args.jobs.split(","):

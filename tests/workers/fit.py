@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from tests.workers import cases
 from tests.workers.lightning import HorovodAdasumStrategy, pl
 from tests.workers.tiny import MODULES
 
@@ -30,7 +31,7 @@ p.add_argument("--momentum", type=float, default=0.5)
 p.add_argument("--scheduler", default="none")
 p.add_argument("--optimizer", default="sgd")
 p.add_argument("--accumulate", type=int, default=1)
-p.add_argument("--ckpt-path", default=None)
+p.add_argument("--ckpt-path", default=None, help="a checkpoint, or a folder holding exactly one")
 p.add_argument("--samples", type=int, default=64)  # not --n: horovodrun would take it
 p.add_argument("--precision", default="32-true")
 p.add_argument("--compression", default="none")
@@ -41,7 +42,7 @@ p.add_argument("--zero-loss-rank", type=int, default=-1)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-at-step", type=int, default=-1)
 p.add_argument("--lr-find", action="store_true", help="Tuner.lr_find first, then fit with its suggestion")
-args = p.parse_args()
+args = p.parse_args(cases.argv())
 out = Path(args.out)
 
 # Different initial weights per rank: the strategy must broadcast rank 0's.
@@ -95,7 +96,10 @@ if args.lr_find:
 
     tuner = import_module(f"{pl.__name__}.tuner").Tuner(trainer)
     suggestion = tuner.lr_find(model, min_lr=1e-4, max_lr=1.0, num_training=20).suggestion()
-trainer.fit(model, ckpt_path=args.ckpt_path)
+ckpt_path = args.ckpt_path
+if ckpt_path is not None and Path(ckpt_path).is_dir():
+    (ckpt_path,) = Path(ckpt_path).rglob("*.ckpt")
+trainer.fit(model, ckpt_path=ckpt_path)
 record = model.record
 record["lr_find_suggestion"] = suggestion
 record["end"] = {k: v.detach().clone() for k, v in model.state_dict().items()}

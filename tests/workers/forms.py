@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
+from tests.workers import cases
 from tests.workers.samples import IndexedData, tiny_net
 
 FABRIC_PACKAGES = ("lightning_fabric", "lightning.fabric")
@@ -51,7 +52,7 @@ p.add_argument("--inf-rank", type=int, default=-1)
 p.add_argument("--inf-step", type=int, default=-1)
 p.add_argument("--save-load", action="store_true", help="fabric: save at the end, load into fresh objects")
 p.add_argument("--ddp-wrapped", action="store_true", help="fabric: setup gets a DistributedDataParallel")
-args = p.parse_args()
+args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
 
@@ -105,7 +106,7 @@ def run_plain() -> None:
 
     from adasum_lightning import AdasumOptimizer
 
-    dist.init_process_group("gloo")
+    cases.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)
     model = tiny_net()
@@ -142,7 +143,7 @@ def run_plain() -> None:
     lightning = sorted(m for m in ("lightning", "pytorch_lightning", "lightning_fabric") if m in sys.modules)
     save(rank, model, optimizer, world_size=world, steps=step, lightning_imported=lightning, start=start,
          first_batch=first_batch)  # fmt: skip
-    dist.destroy_process_group()
+    cases.destroy_process_group()
 
 
 def run_fabric() -> None:

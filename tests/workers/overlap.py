@@ -12,16 +12,17 @@ buckets the overlap fits stepped.
 """
 
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 from adasum_lightning.trainer import DDPAdasumStrategy
+from tests.workers import cases
 from tests.workers.lightning import pl
 from tests.workers.tiny import FrozenBranchModule
 
-out, optimizer, accumulate = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+argv = cases.argv()
+out, optimizer, accumulate = Path(argv[0]), argv[1], int(argv[2])
 rank = int(os.environ["RANK"])
 
 

@@ -21,13 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.workers import cases  # imports no Lightning package
+
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("--package", required=True, choices=["pytorch_lightning", "lightning.pytorch"])
 p.add_argument("--strategy", required=True)
 p.add_argument("--by", required=True, choices=["name", "instance"])
 p.add_argument("--devices", type=int, default=1)
-args = p.parse_args()
+args = p.parse_args(cases.argv())
 
 if args.package == "lightning.pytorch":
     import lightning as L

@@ -2,11 +2,12 @@
 
 The test replays the same job with :func:`adasum_lightning.simulate.simulate` and compares.
 
-usage: sim_match.py OUT.pt --strategy horovod_adasum|horovod [--steps K] [--seed S]
+usage: sim_match.py OUT_DIR --strategy horovod_adasum|horovod [--steps K] [--seed S]
 """
 
 import argparse
 import os
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import adasum_lightning
+from tests.workers import cases
 from tests.workers.lightning import pl
 
 BATCH = 8
@@ -63,7 +65,7 @@ def main() -> None:
     p.add_argument("--strategy", default="horovod_adasum")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=7)
-    args = p.parse_args()
+    args = p.parse_args(cases.argv())
     torch.set_num_threads(1)
     # Each rank seeds differently (as separate machines might); rank 0's weights are broadcast.
     pl.seed_everything(args.seed + int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")), verbose=False)
@@ -89,7 +91,7 @@ def main() -> None:
                 "sampler_seed": int(os.environ["PL_GLOBAL_SEED"]),
                 "adasum_version": adasum_lightning.__version__,
             },
-            args.out,
+            Path(args.out) / "rank0.pt",
         )
 
 

@@ -14,7 +14,6 @@ ranks start from different values (it broadcasts rank 0's), and a layer unfrozen
 """
 
 import copy
-import sys
 from pathlib import Path
 
 import torch
@@ -29,9 +28,11 @@ from adasum_lightning.step import (
     broadcast_from_rank_zero,
     optimizer_parameters,
 )
+from tests.workers import cases
 
-out, optimizer_name = Path(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo")
+argv = cases.argv()
+out, optimizer_name = Path(argv[0]), argv[1]
+cases.init_process_group("gloo")
 rank = dist.get_rank()
 
 
@@ -117,4 +118,4 @@ torch.save(
     },
     out / f"rank{rank}.pt",
 )
-dist.destroy_process_group()
+cases.destroy_process_group()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
+from tests.workers import cases
 from tests.workers.lightning import pl
 from tests.workers.samples import IndexedData, tiny_net
 
@@ -27,7 +28,7 @@ p.add_argument("--devices", type=int, default=1)
 p.add_argument("--loader", default="sized", choices=("sized", "iterable"))
 p.add_argument("--uneven", default=None, choices=("truncate", "error"))
 p.add_argument("--validate", action="store_true")
-args = p.parse_args()
+args = p.parse_args(cases.argv())
 out = Path(args.out)
 
 DATA = IndexedData(128)

@@ -35,35 +35,40 @@ demo-ddp: setup
 	    | tee runs-demo-ddp.log
 	@grep -o 'val_acc=[0-9.]*' runs-demo-ddp.log | tail -n 1
 
+# pytest's slowest 25 tests, and its total time on the last line; ADASUM_JUNIT=FILE also writes each test's
+# time to FILE (docs/development.md's duration tables).
 test: setup
-	@$(PY) -m pytest -ra --durations=25
+	@$(PY) -m pytest -ra --durations=25 $(if $(ADASUM_JUNIT),--junitxml=$(ADASUM_JUNIT))
 
-# The strategy, validation and multi-process tests against the oldest supported pytorch-lightning and the
-# unified `lightning` package, each in its own environment (.venv-compat-*) that reuses the cached Horovod wheel
-# (`setup` built it); the two environments are created side by side, the tests run one pass after the other.
-# lightning 2.6.6 is also in `make test`'s environment, where every strategy already runs by name and as an
-# instance with both packages and every multi-process test runs: its pass runs the single-process tests and the
-# core multi-process tests (marker `compat`); the oldest release also runs those marked `compat_oldest`.
+# The strategy, validation and multi-process tests against the oldest supported pytorch-lightning, in an
+# environment of its own (.venv-compat-pl24) that reuses the cached Horovod wheel; its multi-process tests are
+# those marked `compat`/`compat_oldest`, run as the same folded cases (tests/cases.py) as in `make test`.
+# lightning 2.6.6 is `make test`'s own release; its pass (.venv-compat-lightning, the unified package alone:
+# no pytorch-lightning installed) runs only what `make test` cannot: the single-process import, registry
+# and strategy tests without the other package.
 COMPAT_PL24 := pl24 "pytorch-lightning==2.4.0" pytorch_lightning "$(PYTHON)"
 COMPAT_LIGHTNING := lightning "lightning==2.6.6" lightning.pytorch "$(PYTHON)"
 test-compat: setup
 	@bash .ci/compat.sh --prepare $(COMPAT_PL24) & a=$$!; bash .ci/compat.sh --prepare $(COMPAT_LIGHTNING) & b=$$!; \
 	    wait $$a; ra=$$?; wait $$b; rb=$$?; [ $$ra = 0 ] && [ $$rb = 0 ]
 	@bash .ci/compat.sh $(COMPAT_PL24) "not mpi or compat or compat_oldest"
-	@bash .ci/compat.sh $(COMPAT_LIGHTNING) "not mpi or compat"
+	@bash .ci/compat.sh $(COMPAT_LIGHTNING) "not mpi" tests/test_strategy.py tests/test_compat.py tests/test_packages.py
 
-.PHONY: gpu-wheel test-gpu-wheel gpu-check
+.PHONY: gpu-wheel gpu-wheel-build test-gpu-wheel gpu-check
 
 # Horovod 0.28.1 with NCCL (the Azure ML image's build), compiled on this machine without a GPU or a CUDA
 # toolkit: nvcc, CCCL and the CUDA runtime from the registry's wheels at torch's CUDA release, into a scratch
 # folder; cached like the CPU wheel (about 3 minutes on 2 cores when not cached). Not installed into .venv:
 # tests/gpu_wheel.py installs it into a scratch venv and checks it; last line `nccl_built=True <wheel>`.
-gpu-wheel: setup
-	@bash patches/build_horovod.sh --gpu --no-install --python $(PY)
+gpu-wheel: gpu-wheel-build
 	@$(PY) tests/gpu_wheel.py
 
-# gpu-wheel, then its tests (tests/test_gpu_wheel.py; they also run in `make test` once the wheel is cached).
-test-gpu-wheel: gpu-wheel
+# The build alone (.ci/run: `make test`'s tests/test_gpu_wheel.py then checks the wheel, once).
+gpu-wheel-build: setup
+	@bash patches/build_horovod.sh --gpu --no-install --python $(PY)
+
+# The build, then its tests (tests/test_gpu_wheel.py; they also run in `make test` once the wheel is cached).
+test-gpu-wheel: gpu-wheel-build
 	@ADASUM_REQUIRE_GPU_WHEEL=1 $(PY) -m pytest -ra -p no:cacheprovider tests/test_gpu_wheel.py tests/test_gpu_check.py
 
 # What one GPU can check (tests/gpu_check.py): the NCCL wheel's import and ops on cuda:0, the strategies at

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # make test-compat: the strategy, validation and multi-process tests in an environment of their own, against
 # another supported Lightning release, reusing the cached Horovod wheel.
-#   bash .ci/compat.sh [--prepare] NAME "LIGHTNING PIP SPEC" PACKAGE [PYTHON [MARKERS [PYTEST ARGS...]]]
+#   bash .ci/compat.sh [--prepare] NAME "LIGHTNING PIP SPEC" PACKAGE [PYTHON [MARKERS [TEST FILES...]]]
 #     --prepare  only create (or refresh) the environment; no tests
 #     NAME       environment .venv-compat-NAME
 #     SPEC       e.g. "pytorch-lightning==2.4.0" or "lightning==2.6.6"
 #     PACKAGE    the package the tests import: pytorch_lightning or lightning.pytorch (ADASUM_TEST_PACKAGE)
 #     MARKERS    pytest's -m expression (default: every single-process test and the tests marked `compat`)
+#     TEST FILES the test files to run (default: the strategy, validation and multi-process ones below)
 # The project is installed with `pip install .` and no extras (torchvision and jsonargparse stay out), so this
 # pass also shows that the strategies import and train with the package's install_requires alone.
 set -euo pipefail
@@ -46,9 +47,11 @@ step "environment ready in ${SECONDS}s:" $("$venv/bin/python" -m pip list --disa
 
 # The tests import the checkout (its root is on sys.path); tests/test_packages.py::test_plain_install_* imports
 # the installed copy from outside the checkout.
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(
+  tests/test_strategy.py tests/test_validation.py tests/test_compat.py tests/test_packages.py
+  tests/test_mpi.py tests/test_mpi_edge_cases.py tests/test_crossrank.py tests/test_ddp_adasum.py
+  tests/test_forms.py tests/test_optimizer.py tests/test_fabric_horovod.py tests/test_uneven.py tests/test_resume.py)
 ADASUM_TEST_PACKAGE=$package ADASUM_PLAIN_INSTALL=1 "$venv/bin/python" -m pytest -ra --durations=15 -p no:cacheprovider \
-  -m "$markers" \
-  tests/test_strategy.py tests/test_validation.py tests/test_compat.py tests/test_packages.py \
-  tests/test_mpi.py tests/test_mpi_edge_cases.py tests/test_crossrank.py tests/test_ddp_adasum.py \
-  tests/test_forms.py tests/test_optimizer.py tests/test_fabric_horovod.py tests/test_uneven.py tests/test_resume.py "$@"
+  -m "$markers" "${files[@]}"
 step "done in ${SECONDS}s"

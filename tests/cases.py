@@ -11,6 +11,7 @@ collected order, or in a launch of a later phase.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -67,25 +68,28 @@ class Case:
     name: str
     worker: str
     args: tuple[str, ...] = ()
-    timeout: float = 120
+    timeout: float = 240
+
+    @property
+    def reads(self) -> set[str]:
+        """The cases whose folders this case's arguments name."""
+        return {name for arg in self.args for name in FOLDER.findall(arg)}
 
     def argv(self, base: Path) -> list[str]:
-        resolved = [arg.format_map(_Folders(base)) if "{" in arg else arg for arg in self.args]
+        resolved = [FOLDER.sub(lambda m: str(base / m.group(1)), arg) for arg in self.args]
         devices = ["--devices", str(self.launch.np)] if self.launch.launcher == "lightning" else []
         return [str(base / self.name), *resolved, *devices]
 
 
-def case(launch: Launch, name: str, worker: str, *args: str, timeout: float = 120) -> Case:
+#: A case's first line on each rank (``tests/workers/cases.py``).
+BEGIN = re.compile(r"\[case (\S+)\] begin")
+
+#: ``{NAME}`` in a case's argument: case NAME's folder.
+FOLDER = re.compile(r"\{([^{}]+)\}")
+
+
+def case(launch: Launch, name: str, worker: str, *args: str, timeout: float = 240) -> Case:
     return Case(launch, name, worker, tuple(args), timeout)
-
-
-class _Folders(dict):
-    def __init__(self, base: Path) -> None:
-        super().__init__()
-        self.base = base
-
-    def __missing__(self, name: str) -> str:
-        return str(self.base / name)
 
 
 @dataclass
@@ -96,6 +100,8 @@ class CaseResult:
     out: Path
     output: str
     statuses: list[dict] = field(default_factory=list)
+    #: Why the launch itself failed although every case ended (a crash at exit), or "".
+    launch_problem: str = ""
 
     def _describe(self, r: int) -> str:
         status = self.statuses[r]
@@ -110,20 +116,27 @@ class CaseResult:
 
     @cached_property
     def ranks(self) -> list[dict]:
-        """Every rank's ``rank<r>.pt``; fails naming the case and the rank when one did not end well."""
+        """Every rank's ``rank<r>.pt``; fails naming the case and the rank when one did not end well, or when
+        the launch failed after its cases ended."""
         for r, status in enumerate(self.statuses):
             if status.get("status") != "ok":
                 pytest.fail(self._describe(r))
+        if self.launch_problem:
+            pytest.fail(self.launch_problem)
         return load_ranks(self.out, self.case.launch.np)
 
     @property
     def case_output(self) -> str:
-        """The launch's output from this case's first ``begin`` line to its last ``ok``/``error`` line (every
-        rank's; a neighbouring case's first or last lines may fall inside)."""
+        """Every rank's output of this case: from its first ``begin`` line to the next case's first ``begin``
+        line after its last ``ok``/``error`` line (a launcher may forward a rank's stderr after its stdout;
+        a neighbouring case's first or last lines may fall inside)."""
         name = f"[case {self.case.name}]"
-        start = self.output.find(f"{name} begin")
-        ends = [self.output.rfind(f"{name} {word}") for word in ("ok", "error")]
-        return self.output[max(start, 0) : max(ends) if max(ends) > start else len(self.output)]
+        start = max(self.output.find(f"{name} begin"), 0)
+        end = max(self.output.rfind(f"{name} {word}") for word in ("ok", "error"))
+        after = BEGIN.search(self.output, max(end, start)) if end > start else None
+        while after and after.group(1) == self.case.name:
+            after = BEGIN.search(self.output, after.end())
+        return self.output[start : after.start() if after else len(self.output)]
 
     def errors(self) -> list[tuple[str, str]]:
         """``(exception type, message)`` of every rank; fails when a rank did not raise."""
@@ -134,44 +147,68 @@ class CaseResult:
 
 
 class CaseLaunches:
-    """The session's launches: each started once, on first need, with the collected tests' cases."""
+    """The session's launches: each started once, on first need, with the collected tests' cases; a launch
+    whose cases read other launches' folders starts after those."""
+
+    #: The longest a launch may run (seconds): below pytest's timeout, so that a stuck launcher fails here.
+    LONGEST = 1500
 
     def __init__(self, base: Path, items: list[pytest.Item]) -> None:
         self.base = base
         self.declared: dict[Launch, dict[str, Case]] = {}
+        self.named: dict[str, Case] = {}
         for item in items:
             for marker in item.iter_markers("cases"):
                 for c in marker.args:
-                    known = self.declared.setdefault(c.launch, {}).setdefault(c.name, c)
+                    known = self.named.setdefault(c.name, c)
                     assert known == c, f"two different cases are named {c.name!r}"
-        self.outputs: dict[Launch, str] = {}
+                    self.declared.setdefault(c.launch, {})[c.name] = c
+        for c in self.named.values():
+            for name in c.reads:
+                read = self.named.get(name)
+                assert read is not None, f"case {c.name!r} reads {name!r}, which no collected test declares"
+                order = list(self.declared[c.launch])
+                assert (read.launch.phase < c.launch.phase) or (
+                    read.launch == c.launch and order.index(name) < order.index(c.name)
+                ), f"case {c.name!r} reads {name!r}: it must come later in its launch, or in a later phase"
+        self.outputs: dict[Launch, tuple[int | None, str]] = {}
 
-    def run(self, launch: Launch) -> str:
-        if launch not in self.outputs:
-            cases = list(self.declared[launch].values())
-            spec = self.base / f"{launch.key}.json"
-            entries = [
-                {"name": c.name, "worker": c.worker, "argv": c.argv(self.base), "timeout": c.timeout,
-                 "out": str(self.base / c.name)}
-                for c in cases
-            ]  # fmt: skip
-            spec.write_text(json.dumps({"cases": entries}, indent=1))
-            cmd, env = launch.command(spec)
-            try:
-                proc = run_job(cmd, env, timeout=sum(c.timeout for c in cases) + 60, check=False, merged=True)
-                self.outputs[launch] = f"exit {proc.returncode}\n{proc.stdout}"
-            except pytest.fail.Exception as timed_out:  # every case not ended reads as hung or not run
-                self.outputs[launch] = str(timed_out)
-        return self.outputs[launch]
+    def run(self, launch: Launch) -> None:
+        if launch in self.outputs:
+            return
+        cases = list(self.declared[launch].values())
+        for before in {self.named[name].launch for c in cases for name in c.reads} - {launch}:
+            self.run(before)
+        spec = self.base / f"{launch.key}.json"
+        entries = [
+            {"name": c.name, "worker": c.worker, "argv": c.argv(self.base), "timeout": c.timeout,
+             "out": str(self.base / c.name)}
+            for c in cases
+        ]  # fmt: skip
+        spec.write_text(json.dumps({"cases": entries}, indent=1))
+        cmd, env = launch.command(spec)
+        timeout = min(sum(c.timeout for c in cases) + 60, self.LONGEST)
+        proc = run_job(cmd, env, timeout=timeout, check=False, merged=True, fail_on_timeout=False)
+        exit_line = f"timed out after {timeout} s" if proc.returncode is None else f"exit {proc.returncode}"
+        self.outputs[launch] = (proc.returncode, f"{' '.join(cmd)}: {exit_line}\n{proc.stdout}")
 
     def result(self, c: Case) -> CaseResult:
-        output = self.run(c.launch)
-        out = self.base / c.name
-        statuses = []
-        for r in range(c.launch.np):
-            path = out / f"case.rank{r}.json"
-            statuses.append(json.loads(path.read_text()) if path.exists() else {"status": "not run"})
-        return CaseResult(c, out, output, statuses)
+        self.run(c.launch)
+        returncode, output = self.outputs[c.launch]
+        statuses = [
+            self._status(other, r)
+            for other in self.declared[c.launch].values()
+            for r in range(other.launch.np)
+        ]
+        ended = all(s["status"] in ("ok", "error") for s in statuses)
+        problem = f"every case ended, but {output.splitlines()[0]}" if ended and returncode != 0 else ""
+        return CaseResult(
+            c, self.base / c.name, output, [self._status(c, r) for r in range(c.launch.np)], problem
+        )
+
+    def _status(self, c: Case, r: int) -> dict:
+        path = self.base / c.name / f"case.rank{r}.json"
+        return json.loads(path.read_text()) if path.exists() else {"status": "not run"}
 
 
 class Cases:
@@ -180,7 +217,7 @@ class Cases:
     def __init__(self, launches: CaseLaunches, declared: list[Case]) -> None:
         self.launches = launches
         self.declared = declared
-        for launch in sorted({c.launch for c in declared}, key=lambda launch: launch.phase):
+        for launch in {c.launch for c in declared}:
             launches.run(launch)
 
     def __getitem__(self, c: Case) -> CaseResult:

@@ -170,14 +170,20 @@ def run_torchrun(
 
 
 def run_job(
-    cmd: list[str], env: dict[str, str], timeout: float, check: bool = True, merged: bool = False
+    cmd: list[str],
+    env: dict[str, str],
+    timeout: float,
+    check: bool = True,
+    merged: bool = False,
+    fail_on_timeout: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run a launcher command in a session of its own, from the checkout; returns the result (with
     ``merged``, stderr goes into stdout, in the order written).
 
     On a timeout every process of that session is killed — also ranks that a launcher put in process groups
-    of their own (``mpirun`` does) — and the test fails with the output's end. With ``check`` a non-zero exit
-    fails the test too.
+    of their own (``mpirun`` does) — and the test fails with the output's end (without ``fail_on_timeout``
+    the result comes back with ``returncode`` None). So are they when the test itself is interrupted
+    (pytest-timeout, Ctrl-C). With ``check`` a non-zero exit fails the test too.
     """
     proc = subprocess.Popen(
         cmd,
@@ -194,9 +200,14 @@ def run_job(
         kill_session(proc.pid)
         stdout, stderr = proc.communicate()
         stderr = stderr or ""
+        if not fail_on_timeout:
+            return subprocess.CompletedProcess(cmd, None, stdout, stderr)
         pytest.fail(
             f"{' '.join(cmd)} timed out after {timeout} s\n--- output (end)\n{(stdout + stderr)[-6000:]}"
         )
+    except BaseException:
+        kill_session(proc.pid)
+        raise
     stderr = stderr or ""
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and proc.returncode != 0:

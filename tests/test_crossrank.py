@@ -136,7 +136,9 @@ def bf16_true(strategy: str):
 def test_bf16_true_is_refused_before_any_step_naming_bf16_mixed(strategy, cases):
     message = expected_message(check_horovod_dtypes, strategy, "cpu", {torch.bfloat16})
     assert "Use precision='bf16-mixed'" in message
-    assert_refused_on_every_rank(cases[bf16_true(strategy)], message, wrote_nothing=False)
+    result = cases[bf16_true(strategy)]
+    assert_refused_on_every_rank(result, message, wrote_nothing=False)
+    assert_refused_before_any_step(result.out, 2)
 
 
 # ---------------------------------------------------------------- 5: all_gather with gradients
@@ -181,6 +183,7 @@ LBFGS_REFUSED, LBFGS = crossrank("lbfgs", "horovod_adasum"), crossrank("lbfgs", 
 def test_lbfgs_is_refused_by_horovod_adasum_before_any_step(cases):
     message = expected_message(check_closure_optimizers, "horovod_adasum", ["LBFGS"])
     assert_refused_on_every_rank(cases[LBFGS_REFUSED], message, wrote_nothing=False)
+    assert_refused_before_any_step(cases[LBFGS_REFUSED].out, 2)
 
 
 @pytest.mark.compat_oldest

@@ -257,7 +257,9 @@ def torch_only_environment(where: Path) -> Path:
     return where / "bin" / "python"
 
 
-FULL_ENVIRONMENT = form("forms-full-environment", "plain", 2, "--epochs", "1")
+#: The plain loop in the full environment, in a launch of its own: no Lightning case imports Lightning there.
+FULL_ENVIRONMENT = case(Launch("torchrun", 2, group="plain"), "forms-full-environment-plain", "forms",
+                        "--form", "plain", "--epochs", "1")  # fmt: skip
 
 
 @pytest.mark.cases(FULL_ENVIRONMENT)
@@ -276,5 +278,8 @@ def test_the_plain_loop_in_an_environment_with_torch_only(cases, tmp_path):
            "-m", "tests.workers.forms", str(out), "--form", "plain", "--epochs", "1"]  # fmt: skip
     run_job(cmd, env, timeout=240)
     alone = load_ranks(out, 2)
-    assert alone[0]["lightning_imported"] == []
-    assert_same_training(trained(cases[FULL_ENVIRONMENT]), alone, "torch-only vs full environment")
+    full = trained(cases[FULL_ENVIRONMENT])
+    assert (
+        full[0]["lightning_imported"] == []
+    )  # the plain loop imports no Lightning, even where it is installed
+    assert_same_training(full, alone, "torch-only vs full environment")

@@ -168,7 +168,7 @@ def test_a_missing_rank_file_resumes_that_rank_from_rank_zeros_state_with_a_warn
     ckpt = checkpoint_of(before.out)
     assert [s["status"] for s in dropped.statuses] == ["ok", "ok"]
     assert not Path(rank_optimizer_path(ckpt, 1)).exists()
-    assert f"[rank 1] {rank_optimizer_path(ckpt, 1)} is missing" in after.output
+    assert f"[rank 1] {rank_optimizer_path(ckpt, 1)} is missing" in after.case_output
     assert_same_state(
         after.ranks[1]["start_opt_state"], before.ranks[0]["end_opt_state"], "rank 0's on rank 1"
     )
@@ -186,4 +186,4 @@ def test_horovod_after_lr_find_warns_that_it_multiplied_the_learning_rate(cases)
     assert suggestion is not None and all(res["lr_find_suggestion"] == suggestion for res in result.ranks)
     for res in result.ranks:
         assert res["start_lr"] == pytest.approx(2 * suggestion)  # what the warning says
-    assert scaled_learning_rate_message("horovod", 2.0) in result.output
+    assert scaled_learning_rate_message("horovod", 2.0) in result.case_output

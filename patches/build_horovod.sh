@@ -13,9 +13,7 @@
 #                 nvcc on PATH are kept out. CUDA kernels for HOROVOD_BUILD_CUDA_CC_LIST (default
 #                 75,80,86,89,90: T4, A100, A10/A40, L4, H100). When it installs, the last line
 #                 is `nccl_built=True <wheel>` (tests/gpu_wheel.py checks an uninstalled wheel).
-#                 Default: CPU build (MPI CPU operations, torch extension forced CPU-only), compiled
-#                 without debug information (Horovod's -O3, no -g: less to compile and link; the NCCL
-#                 build keeps Horovod's own flags).
+#                 Default: CPU build (MPI CPU operations, torch extension forced CPU-only).
 #   --cache DIR   wheel cache (default: ${XDG_CACHE_HOME:-~/.cache}/adasum-lightning/horovod).
 #                 The wheel is cached per Horovod, torch, Python, build kind and patch: a second run
 #                 with the same key installs in seconds.
@@ -57,7 +55,6 @@ py_tag=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[
 command -v mpicxx >/dev/null || die "no MPI compiler wrapper (mpicxx): install openmpi-bin and libopenmpi-dev"
 patch_sum=$(sha256sum "$patch_file" | cut -c1-12)
 key="horovod$HOROVOD_VERSION-torch$torch_version-$py_tag-$kind-$patch_sum"
-if [ "$kind" = cpu ]; then key="$key-g0"; fi
 if [ "$kind" = nccl ]; then
   # The CUDA toolkit and NCCL releases torch was built with (torch 2.14.1+cu130: cuda-toolkit 13.0.3,
   # nvidia-nccl-cu13 2.30.7); the build uses the same ones.
@@ -125,11 +122,6 @@ else
     unset HOROVOD_TORCH_FORCE_CPU HOROVOD_WITHOUT_GPU
   else
     export HOROVOD_CPU_OPERATIONS=MPI HOROVOD_TORCH_FORCE_CPU=1 HOROVOD_WITHOUT_GPU=1
-    # Horovod's setup.py always configures RelWithDebInfo; CMake (>= 3.21) reads a toolchain file named by
-    # CMAKE_TOOLCHAIN_FILE, whose *_INIT flags start that configuration without -g (Horovod's CMakeLists
-    # then turns -O2 into -O3).
-    printf 'set(CMAKE_%s_FLAGS_RELWITHDEBINFO_INIT "-O2 -DNDEBUG")\n' C CXX >"$work/no-debug-info.cmake"
-    export CMAKE_TOOLCHAIN_FILE="$work/no-debug-info.cmake"
   fi
   # Not nproc: it follows OMP_NUM_THREADS, which `make setup` sets to 1 for the training processes.
   export MAKEFLAGS="-j${HOROVOD_BUILD_JOBS:-$(getconf _NPROCESSORS_ONLN)}"

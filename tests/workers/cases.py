@@ -19,6 +19,7 @@ the worker builds its own Trainer / Fabric / optimizer and seeds itself. Around 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import os
 import runpy
@@ -90,6 +91,12 @@ def _write(path: Path, status: dict) -> None:
     tmp.replace(path)
 
 
+def _say(name: str, text: str) -> None:
+    """A line of the runner's, on stderr where the strategies print their refusals (a launcher forwards each
+    stream in order)."""
+    print(f"[case {name}] {text}", file=sys.stderr, flush=True)
+
+
 def run_case(case: dict, filters: list) -> None:
     global _current
     out = Path(case["out"])
@@ -99,7 +106,8 @@ def run_case(case: dict, filters: list) -> None:
     warnings.resetwarnings()
     warnings.filters[:] = filters
     groups = _process_groups()
-    print(f"[case {case['name']}] begin on rank {rank()}", flush=True)
+    say = functools.partial(_say, case["name"])
+    say(f"begin on rank {rank()}")
     faulthandler.dump_traceback_later(case["timeout"], exit=True)
     _current, start = case["argv"], time.monotonic()
     try:
@@ -119,9 +127,9 @@ def run_case(case: dict, filters: list) -> None:
     try:
         _destroy_new_groups(groups)
     except Exception as err:  # the case's result stands; the next case starts without its groups
-        print(f"[case {case['name']}] could not destroy its process groups: {err!r}", flush=True)
+        say(f"could not destroy its process groups: {err!r}")
     _write(status_path, status)
-    print(f"[case {case['name']}] {status['status']} on rank {rank()} in {status['seconds']} s", flush=True)
+    say(f"{status['status']} on rank {rank()} in {status['seconds']} s")
     if status["status"] == "error":
         print(status["traceback"], file=sys.stderr, flush=True)
 

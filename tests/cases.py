@@ -1,7 +1,7 @@
 """Many cases in one launch: what the tests declare, and the results every rank recorded.
 
 A test names the cases it reads with ``@pytest.mark.cases(CASE, ...)`` and takes the ``cases`` fixture
-(``tests/conftest.py``). The first test that needs a launch (launcher, world size, phase) starts it once, with
+(``tests/conftest.py``). The first test that needs a launch (``Launch``) starts it once, with
 every case of that launch that the *collected* tests declare (``-k`` runs only what it selects), under
 ``tests/workers/cases.py``; each test then asserts its own property from what its cases recorded. A case whose
 arguments read another case's folder (``{NAME}``) runs after it: in the same launch when it comes later in the
@@ -29,8 +29,8 @@ class Launch:
     """One job: ``launcher`` (horovodrun with MPI or Gloo, torchrun, Lightning's own from a plain ``python``
     that adds ``--devices np`` to each case, or a plain ``python`` alone) at world size ``np``, with ``env``
     added to the environment; a ``group`` keeps its cases in a launch of their own (e.g. those that import
-    one Lightning package only). A launch of a later ``phase``
-    starts after the earlier ones a test reads (e.g. a resume at another world size of a 2-rank fit)."""
+    one Lightning package only). A launch of a later ``phase`` may read the folders of earlier ones (e.g. a
+    resume at another world size of a 2-rank fit)."""
 
     launcher: str
     np: int

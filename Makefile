@@ -35,10 +35,17 @@ demo-ddp: setup
 	    | tee runs-demo-ddp.log
 	@grep -o 'val_acc=[0-9.]*' runs-demo-ddp.log | tail -n 1
 
-# pytest's slowest 25 tests, and its total time on the last line; ADASUM_JUNIT=FILE also writes each test's
-# time to FILE (docs/development.md's duration tables).
+# Two passes: the tests in TEST_WORKERS pytest-xdist processes (a file, and the files whose tests read cases of
+# the same launches, stay on one worker: tests/cases.py's worker_groups), then those marked `walltime` (they
+# assert a wall-clock limit) alone on the machine. Each pass prints its slowest tests and its time on the last
+# line (a failure in the first does not skip the second); ADASUM_JUNIT=FILE also writes each test's time to FILE
+# and FILE.walltime (docs/development.md).
+TEST_WORKERS ?= 2
 test: setup
-	@$(PY) -m pytest -ra --durations=25 $(if $(ADASUM_JUNIT),--junitxml=$(ADASUM_JUNIT))
+	@rc=0; $(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not walltime" \
+	    $(if $(ADASUM_JUNIT),--junitxml=$(ADASUM_JUNIT)) || rc=$$?; \
+	$(PY) -m pytest -ra --durations=10 -m walltime $(if $(ADASUM_JUNIT),--junitxml=$(ADASUM_JUNIT).walltime) || rc=$$?; \
+	exit $$rc
 
 # The strategy, validation and multi-process tests against the oldest supported pytorch-lightning, in an
 # environment of its own (.venv-compat-pl24) that reuses the cached Horovod wheel; its multi-process tests are

@@ -236,3 +236,33 @@ def assert_refused_on_every_rank(result: CaseResult, message: str, wrote_nothing
         assert f"AdasumConfigurationError on rank {r}: {message}" in output, f"rank {r} printed nothing"
     if wrote_nothing:
         assert not list(result.out.glob("rank*.pt")), "a refused case trained"
+
+
+def worker_groups(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
+    """The items in groups that one pytest-xdist worker must run together: a test file (its module fixtures,
+    its network namespaces) together with every file whose tests read cases of the same launches, or of
+    launches those read (``{NAME}``), so that each launch starts once in the session. Named by the group's
+    first file; in collection order."""
+    parent: dict[str, str] = {}
+
+    def root(node: str) -> str:
+        while parent.setdefault(node, node) != node:
+            node = parent[node]
+        return node
+
+    def join(a: str, b: str) -> None:
+        parent[root(a)] = root(b)
+
+    named = {c.name: c for item in items for marker in item.iter_markers("cases") for c in marker.args}
+    for item in items:
+        root(item.path.name)
+        for c in (c for marker in item.iter_markers("cases") for c in marker.args):
+            join(f"launch {c.launch.key}", item.path.name)
+            for name in c.reads:
+                join(f"launch {named[name].launch.key}", item.path.name)
+    groups: dict[str, list[pytest.Item]] = {}
+    names: dict[str, str] = {}
+    for item in items:
+        name = names.setdefault(root(item.path.name), item.path.stem)
+        groups.setdefault(name, []).append(item)
+    return groups

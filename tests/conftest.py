@@ -8,8 +8,22 @@ from pathlib import Path
 import pytest
 
 from tests import twohosts
-from tests.cases import CaseLaunches, Cases
+from tests.cases import CaseLaunches, Cases, worker_groups
 from tests.helpers import SHARED_MNIST
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups from the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (``make test``): the groups of ``tests.cases.worker_groups``,
+    those with the most tests that read cases first (``--no-loadscope-reorder`` hands them out in this order:
+    the longest first)."""
+    if config.getoption("loadgroup", False):  # pytest-xdist sets it in its workers for --dist loadgroup
+        groups = worker_groups(items)
+        for group, members in groups.items():
+            for item in members:
+                item.add_marker(pytest.mark.xdist_group(group))
+        reading = {g: sum(1 for i in m if i.get_closest_marker("cases")) for g, m in groups.items()}
+        items[:] = [i for g in sorted(groups, key=lambda g: -reading[g]) for i in groups[g]]
 
 
 @pytest.fixture(scope="session")

@@ -156,6 +156,7 @@ def test_equals_horovods_adasum(np, cases):
 
 
 @pytest.mark.mpi
+@pytest.mark.walltime
 def test_a_silent_peer_raises_within_the_timeout(tmp_path):
     # Gloo's point-to-point handles wait without limit unless given one: a rank behind a lost link would
     # block the others until the kernel gives up on the connection (tests/test_two_hosts.py).

@@ -369,6 +369,7 @@ def test_bad_config_files(tmp_path, content, message):
 
 
 # -- network check and redaction ----------------------------------------------------------------------
+@pytest.mark.walltime
 def test_offline_network_check_fails_fast_with_a_clear_message(monkeypatch):
     monkeypatch.delenv("HTTPS_PROXY", raising=False)
     monkeypatch.delenv("https_proxy", raising=False)

@@ -103,6 +103,7 @@ def test_local_processes_inherit_no_other_launchers_variables():
     assert local._without_other_launchers(inherited) == {"PATH": "/bin", "NCCL_DEBUG": "WARN"}
 
 
+@pytest.mark.walltime
 def test_when_one_local_process_fails_the_others_are_stopped(tmp_path):
     code = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(120)\n"
     envs = [pytorch_job_environment(3, rank, 1) for rank in range(3)]

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from unittest.mock import create_autospec
 
 import pytest
@@ -495,13 +496,23 @@ def _local(strategy, project, tmp_path, *extra):
     return proc, out
 
 
+_DDP_ADASUM_LOCAL: list[tuple[subprocess.CompletedProcess, Path]] = []
+
+
+def _local_ddp_adasum(project, tmp_path):
+    """``_local("ddp_adasum", ...)`` once per session (two tests read it)."""
+    if not _DDP_ADASUM_LOCAL:
+        _DDP_ADASUM_LOCAL.append(_local("ddp_adasum", project, tmp_path))
+    return _DDP_ADASUM_LOCAL[0]
+
+
 def test_local_ddp_adasum_trains_the_project_on_its_input(project, tmp_path):
-    proc, out = _local("ddp_adasum", project, tmp_path)
+    proc, out = _local_ddp_adasum(project, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fixture trained: world_size=2 strategy=ddp_adasum" in proc.stdout
     weight, bias = map(float, (out / "line.txt").read_text().split())
     assert weight > 0.3 and bias < 0  # moving towards y = 3x - 1 from its start
-    assert not (tmp_path / "local-ddp_adasum" / "code" / "scratch").exists()
+    assert not (out.parent / "local-ddp_adasum" / "code" / "scratch").exists()
 
 
 @pytest.mark.mpi
@@ -509,7 +520,7 @@ def test_local_horovod_adasum_trains_the_project_as_ddp_adasum_does(project, tmp
     proc, out = _local("horovod_adasum", project, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fixture trained: world_size=2 strategy=horovod_adasum" in proc.stdout
-    ddp, ddp_out = _local("ddp_adasum", project, tmp_path)
+    ddp, ddp_out = _local_ddp_adasum(project, tmp_path)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     # Horovod's Adasum and ddp_adasum give the same line (to float32 rounding of the printed digits)
     horovod_line = [float(v) for v in (out / "line.txt").read_text().split()]

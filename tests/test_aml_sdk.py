@@ -496,6 +496,7 @@ def test_dry_run_of_mpi_jobs_shows_the_open_mpi_fault_settings(sdk, strategy, ca
     assert all(name.startswith("OMPI_MCA_") for name in fault_tolerance.mpi_env())
 
 
+@pytest.mark.walltime
 @pytest.mark.parametrize("sdk", ["v1", "v2"])
 def test_submit_without_network_fails_fast_and_creates_no_credential(sdk, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("HTTPS_PROXY", raising=False)

@@ -196,6 +196,7 @@ def test_lbfgs_trains_identically_under_horovod_averaging(cases):
 
 
 # ---------------------------------------------------------------- 7: SIGTERM to rank 0
+@pytest.mark.walltime
 @pytest.mark.parametrize("strategy", [pytest.param("horovod_adasum", marks=pytest.mark.compat), "horovod"])
 def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_path):
     if not adasum_strategies._compat.has_sigterm_agreement():
@@ -239,6 +240,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.walltime
 @pytest.mark.parametrize("launcher", ["adasum-horovodrun", "mpirun"])
 def test_sigterm_to_the_launcher_ends_every_rank(launcher, tmp_path):
     worker = [sys.executable, "-m", "tests.workers.crossrank", str(tmp_path), "--case", "long"]

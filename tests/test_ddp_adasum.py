@@ -257,6 +257,7 @@ def test_accumulation_with_a_partial_window(cases):
 
 
 # ---------------------------------------------------------------- faults
+@pytest.mark.walltime
 def test_a_killed_rank_ends_the_job_quickly(tmp_path):
     start = time.monotonic()
     proc = run_lightning(2, "fit", str(tmp_path), "--strategy", "ddp_adasum", "--epochs", "50",

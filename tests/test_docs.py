@@ -166,7 +166,8 @@ def _source(path: str, node: ast.AST) -> str:
 
 
 def code_of(name: str) -> str:
-    """The code of a named test (with its decorators and the helpers it calls by name), or of a CI file.
+    """The code of a named test (with its decorators and the helpers it calls by name, three deep), or of a
+    CI file.
 
     Raises:
         LookupError: the file or the test does not exist.
@@ -186,7 +187,7 @@ def code_of(name: str) -> str:
         for name, helper in _functions(module).items()
     }
     code, seen, todo = [], {test}, [(path, functions[test])]
-    for _ in range(3):  # the test, the helpers it calls, the helpers those call
+    for _ in range(4):  # the test, the helpers it calls, and theirs, two levels down
         calls = set()
         for module, node in todo:
             code.append(_source(module, node))
@@ -297,9 +298,9 @@ def _make_dry_run(target: str) -> str:
 
 
 def test_make_targets_run_the_tested_commands():
-    # The README's `make demo` / `make demo-ddp` run the example's training that
-    # tests/test_example.py::test_two_processes_reach_95_percent_in_three_epochs runs (horovod_adasum under
-    # adasum-horovodrun; ddp_adasum started by Lightning); `make test` is pytest, `make docs` Sphinx with
+    # The README's `make demo` / `make demo-ddp` run the example's training that tests/test_example.py's
+    # fit_example runs (horovod_adasum under adasum-horovodrun; ddp_adasum started by Lightning); `make
+    # test` is pytest, `make docs` Sphinx with
     # warnings as errors; `make bench-quick` / `make bench` run the benchmark pipeline's entry point.
     demo = _make_dry_run("demo")
     assert "adasum-horovodrun -np 2 -H localhost:2" in demo

@@ -37,6 +37,7 @@ def fit(name: str, *args: str, launch: Launch = MPI2):
 
 
 # ---------------------------------------------------------------- refused at setup, on every rank
+@pytest.mark.walltime
 def test_three_processes_are_refused_quickly(tmp_path):
     start = time.monotonic()
     proc = run_horovod(3, "fit", str(tmp_path), check=False, timeout=120)
@@ -230,6 +231,7 @@ def test_schedulers_step_alike_and_are_not_scaled(cases):
 
 
 # ---------------------------------------------------------------- faults
+@pytest.mark.walltime
 def test_a_killed_rank_ends_the_job_quickly(tmp_path):
     start = time.monotonic()
     proc = run_horovod(

@@ -138,6 +138,7 @@ def test_horovod_adasum_across_two_hosts(even):
     assert [float(row["val_acc"]) for row in rows if row["val_acc"]] == [pytest.approx(ranks[0]["val_acc"])]
 
 
+@pytest.mark.walltime
 def test_a_loopback_master_addr_is_refused_on_every_rank(two_hosts, tmp_path, mnist_root):
     """``MASTER_ADDR=127.0.0.1`` exported to a job across two hosts: hostB could not reach rank 0's process
     group there (before this check the job hung at the rendezvous). Every rank says so, before any step."""
@@ -201,6 +202,7 @@ def test_uneven_placement_node_rank(uneven):
     assert [res["trainer"]["num_nodes"] for res in ranks] == [2, 2, 2, 2]
 
 
+@pytest.mark.walltime
 def test_lost_host_ends_a_horovod_job(two_hosts, tmp_path, mnist_root):
     """The link to hostB goes down mid-training: with ``MPI_FAULT_SETTINGS`` (as horovodrun's
     ``--mpi-args``) every process on both hosts is gone within 60 s, horovodrun exits non-zero and
@@ -270,6 +272,7 @@ def test_torchrun_ddp_adasum_across_two_hosts(two_hosts, tmp_path):
     assert sum(map(len, seen)) == 64 and set().union(*seen) == set(range(64))
 
 
+@pytest.mark.walltime
 def test_lost_host_ends_a_torchrun_job(two_hosts, tmp_path):
     """The link to hostB goes down mid-training under torchrun + ``ddp_adasum``: with the process-group
     timeout ``DDP_PROCESS_GROUP_TIMEOUT``, ``TORCHRUN_FAULT_ARGS`` and ``net.ipv4.tcp_retries2 =

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -10,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from adasum_lightning.step import adasum_step, broadcast_from_rank_zero, optimizer_parameters
+from adasum_lightning.step import adasum_step, broadcast_from_rank_zero, optimizer_parameters, world_size
+from adasum_lightning.validation import identical_gradients_message
 
 __all__ = ["AdasumOptimizer"]
 
@@ -88,6 +90,7 @@ class AdasumOptimizer(Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._share_wrapped_state()
         broadcast_from_rank_zero(optimizer_parameters(optimizer), process_group)
+        self._gradients_checked = False
 
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
@@ -114,7 +117,24 @@ class AdasumOptimizer(Optimizer):
             with torch.enable_grad():
                 return self.optimizer.step(closure)
 
-        return adasum_step(optimizer_parameters(self.optimizer), local_step, self.process_group, self.timeout)
+        params = optimizer_parameters(self.optimizer)
+        if not self._gradients_checked:
+            self._gradients_checked = True
+            self._warn_if_gradients_identical(params)
+        return adasum_step(params, local_step, self.process_group, self.timeout)
+
+    def _warn_if_gradients_identical(self, params: list[torch.Tensor]) -> None:
+        # One all_gather of two float64 numbers per rank (the sum and the sum of squares of the gradients),
+        # once: equal on every rank means bitwise-equal gradients, e.g. averaged by DistributedDataParallel.
+        grads = [p.grad for p in params if p.grad is not None]
+        if world_size(self.process_group) == 1 or not grads:
+            return  # a closure computes its gradients inside the step
+        sums = [(g.double().sum(), g.double().square().sum()) for g in grads]
+        fingerprint = torch.stack([sum(s for s, _ in sums), sum(q for _, q in sums)])
+        gathered = [torch.empty_like(fingerprint) for _ in range(world_size(self.process_group))]
+        dist.all_gather(gathered, fingerprint, group=self.process_group)
+        if all(torch.equal(f, gathered[0]) for f in gathered) and dist.get_rank(self.process_group) == 0:
+            warnings.warn(identical_gradients_message("AdasumOptimizer"), stacklevel=3)
 
     def _step_with_scale_handed_on(self, grad_scale: torch.Tensor, found_inf: torch.Tensor | None) -> Any:
         # An optimizer that unscales in its own kernel takes the two attributes as GradScaler gives them.

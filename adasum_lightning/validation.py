@@ -509,6 +509,19 @@ def clipping_refused(strategy_name: str, algorithm: str, value: float) -> Adasum
     )
 
 
+def identical_gradients_message(owner: str) -> str:
+    """The warning when every rank's gradients are bitwise identical at the first step: the Adasum of equal
+    updates is that update, so nothing is combined — most often a model still wrapped in
+    ``DistributedDataParallel`` (its backward averages the gradients), else the same batches on every rank."""
+    return (
+        f"{owner}: every rank's gradients were identical at the first step, so the Adasum of their updates "
+        "is one rank's update and Adasum combines nothing. If the model is wrapped in "
+        "torch.nn.parallel.DistributedDataParallel (it averages the gradients in backward), remove the "
+        "wrapper: train the module itself (model.module) and build the optimizer from its parameters. If "
+        "every rank reads the same batches, give each rank its own shard (DistributedSampler)."
+    )
+
+
 def scaled_learning_rate_message(strategy_name: str, factor: float) -> str:
     """The warning when a strategy multiplies the learning rates that the module (or ``Tuner.lr_find``) set.
 

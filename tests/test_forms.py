@@ -19,13 +19,18 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from adasum_lightning.validation import check_launcher_world_size, check_module_unwrapped
+from adasum_lightning.validation import (
+    check_launcher_world_size,
+    check_module_unwrapped,
+    identical_gradients_message,
+)
 from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import (
     ROOT,
     expected_message,
     load_ranks,
     mpi_env,
+    plain_env,
     run_as_pytorch_job,
     run_job,
 )
@@ -220,6 +225,46 @@ DDP_WRAPPED = form("forms-ddp-wrapped", "fabric", 2, "--ddp-wrapped")
 def test_fabric_refuses_a_module_wrapped_in_ddp_on_every_rank(cases):
     message = expected_message(check_module_unwrapped, "ddp_adasum", True)
     assert_refused_on_every_rank(cases[DDP_WRAPPED], message)
+
+
+PLAIN_DDP_WRAPPED = form("forms-ddp-wrapped", "plain", 2, "--ddp-wrapped", "--max-steps", "3")
+
+
+@pytest.mark.cases(PLAIN_DDP_WRAPPED, THREE_FORMS["sgd-momentum"][0])
+def test_adasum_optimizer_warns_once_when_a_ddp_wrapper_made_the_gradients_identical(cases):
+    # A DDP script with only its optimizer changed trains as plain DDP would (the wrapper averages the
+    # gradients, so every rank's update is the same): rank 0 warns once, at the first step, naming the fix.
+    message = identical_gradients_message("AdasumOptimizer")
+    wrapped = trained(cases[PLAIN_DDP_WRAPPED])
+    assert [res["steps"] for res in wrapped] == [3, 3]
+    assert [[w for w in res["warned"] if "identical" in w] for res in wrapped] == [[message], []]
+    assert "remove the wrapper: train the module itself (model.module)" in message
+    # each rank with its own shard: no such warning on any rank
+    plain = cases[THREE_FORMS["sgd-momentum"][0]].ranks
+    assert [[w for w in res["warned"] if "identical" in w] for res in plain] == [[], []]
+
+
+def test_adasum_fabric_run_starts_a_script_whose_strategy_comes_from_the_command_line(tmp_path):
+    # Lightning's `fabric run` reads its --strategy choices before the script could import adasum_lightning;
+    # adasum-fabric run is the same command with the names registered, in the launcher and in every process.
+    script = ["--strategy=ddp_adasum", "--devices=2", "--accelerator=cpu",
+              "tests/fixtures/fabric_cli_script.py"]  # fmt: skip
+    fabric = str(Path(sys.executable).with_name("fabric"))
+    refused = subprocess.run([fabric, "run", *script, str(tmp_path)], cwd=ROOT, env=plain_env(),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "Invalid value for '--strategy': 'ddp_adasum' is not one of" in (
+        refused.stderr
+    ), refused.stderr
+    adasum_fabric = str(Path(sys.executable).with_name("adasum-fabric"))
+    run_job([adasum_fabric, "run", *script, str(tmp_path)], plain_env(), timeout=240)
+    ranks = load_ranks(tmp_path, 2)
+    for r, res in enumerate(ranks):
+        assert res["strategy"] == "adasum_lightning.lightning.fabric.ddp_adasum.DDPAdasumStrategy", r
+        assert res["world_size"] == 2, r
+        for key in ("start", "end"):  # rank 0's start on every rank, identical after each Adasum step
+            for name, tensor in ranks[0][key].items():
+                assert torch.equal(tensor, res[key][name]), (key, name, r)
+    assert not torch.equal(ranks[0]["start"]["0.weight"], ranks[0]["end"]["0.weight"])
 
 
 def test_fabric_refuses_a_world_size_its_devices_do_not_describe(tmp_path):

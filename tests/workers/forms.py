@@ -20,6 +20,7 @@ import argparse
 import functools
 import importlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ p.add_argument(
 p.add_argument("--inf-rank", type=int, default=-1)
 p.add_argument("--inf-step", type=int, default=-1)
 p.add_argument("--save-load", action="store_true", help="fabric: save at the end, load into fresh objects")
-p.add_argument("--ddp-wrapped", action="store_true", help="fabric: setup gets a DistributedDataParallel")
+p.add_argument("--ddp-wrapped", action="store_true", help="the model wrapped in DistributedDataParallel")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -110,39 +111,43 @@ def run_plain() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)
     model = tiny_net()
-    optimizer = AdasumOptimizer(make_optimizer(model.parameters()))
+    # what a DDP script becomes when only its optimizer is changed: the wrapper averages the gradients
+    net = torch.nn.parallel.DistributedDataParallel(model) if args.ddp_wrapped else model
+    optimizer = AdasumOptimizer(make_optimizer(net.parameters()))
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}  # rank 0's, after the broadcast
-    scaler = torch.amp.GradScaler("cpu", enabled=args.fp16_scaler)
-    # Lightning's own sharding: shuffled with rank 0's seed, a new order every epoch
-    sampler = DistributedSampler(dataset(), world, rank, shuffle=True, seed=100)
-    loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
-    step, first_batch = 0, next(iter(loader))[2]
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        for i, (x, y, _) in enumerate(loader):
-            if step == args.max_steps:
-                break
-            if args.optimizer == "lbfgs":
-                optimizer.step(functools.partial(closure, optimizer, model, x, y))
-                step += 1
-                continue
-            autocast = torch.bfloat16 if args.bf16 else torch.float16
-            with torch.autocast("cpu", dtype=autocast, enabled=args.fp16_scaler or args.bf16):
-                loss = loss_of(model, x, y, rank, step)
-            scaler.scale(loss).backward()
-            if is_step_batch(i, len(loader)):
-                if args.clip_norm is not None:
-                    scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
-                if args.clip_value is not None:
-                    torch.nn.utils.clip_grad_value_(model.parameters(), args.clip_value)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad()
-                step += 1
+    with warnings.catch_warnings(record=True) as warned:  # AdasumOptimizer's, on this rank
+        warnings.simplefilter("always")
+        scaler = torch.amp.GradScaler("cpu", enabled=args.fp16_scaler)
+        # Lightning's own sharding: shuffled with rank 0's seed, a new order every epoch
+        sampler = DistributedSampler(dataset(), world, rank, shuffle=True, seed=100)
+        loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
+        step, first_batch = 0, next(iter(loader))[2]
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            for i, (x, y, _) in enumerate(loader):
+                if step == args.max_steps:
+                    break
+                if args.optimizer == "lbfgs":
+                    optimizer.step(functools.partial(closure, optimizer, model, x, y))
+                    step += 1
+                    continue
+                autocast = torch.bfloat16 if args.bf16 else torch.float16
+                with torch.autocast("cpu", dtype=autocast, enabled=args.fp16_scaler or args.bf16):
+                    loss = loss_of(net, x, y, rank, step)
+                scaler.scale(loss).backward()
+                if is_step_batch(i, len(loader)):
+                    if args.clip_norm is not None:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
+                    if args.clip_value is not None:
+                        torch.nn.utils.clip_grad_value_(model.parameters(), args.clip_value)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad()
+                    step += 1
     lightning = sorted(m for m in ("lightning", "pytorch_lightning", "lightning_fabric") if m in sys.modules)
     save(rank, model, optimizer, world_size=world, steps=step, lightning_imported=lightning, start=start,
-         first_batch=first_batch)  # fmt: skip
+         first_batch=first_batch, warned=[str(w.message) for w in warned])  # fmt: skip
     cases.destroy_process_group()
 
 

@@ -7,9 +7,11 @@ import it as it is).
 
 from __future__ import annotations
 
+import importlib.resources
 import inspect
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,12 +20,34 @@ from torch.optim import Optimizer
 from adasum_lightning import validation
 
 __all__ = [
+    "HOROVOD_BUILD_PACKAGE",
     "import_horovod",
+    "missing_horovod_message",
     "agree_on_process_group",
     "check_adasum_world",
     "process_group_address",
     "needs_closure",
 ]
+
+
+#: The package that holds Horovod's build script and patch: ``patches/`` in a checkout, package data in the
+#: wheel (``setup.py``).
+HOROVOD_BUILD_PACKAGE = "adasum_lightning.aml.horovod_build"
+
+
+def missing_horovod_message(
+    what: str, alternative: str = "strategy='ddp_adasum'", python: str | None = None
+) -> str:
+    """The one message for a missing Horovod: ``what`` is not in the environment of ``python`` (default:
+    this one); the build command with the build script as installed (a checkout's or the wheel's), or
+    ``alternative``, which needs no Horovod."""
+    python = python or sys.executable
+    script = importlib.resources.files(HOROVOD_BUILD_PACKAGE).joinpath("build_horovod.sh")
+    return (
+        f"{what} is not installed in the environment of {python}. Build Horovod against its torch with "
+        f"`bash {script} --python {python}` (it needs Open MPI: the Debian/Ubuntu packages openmpi-bin and "
+        f"libopenmpi-dev), or use {alternative}, which needs no Horovod."
+    )
 
 
 def import_horovod() -> Any:
@@ -35,11 +59,7 @@ def import_horovod() -> Any:
     try:
         import horovod.torch as hvd
     except ImportError as err:
-        raise ImportError(
-            f"Horovod with PyTorch support is not importable ({err}). Build it against the installed torch "
-            "with `make setup` (or `patches/build_horovod.sh --python $(which python)`), or use "
-            "strategy='ddp_adasum', which needs no Horovod."
-        ) from err
+        raise ImportError(missing_horovod_message(f"Horovod with PyTorch support ({err})")) from err
     return hvd
 
 

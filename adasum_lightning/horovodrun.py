@@ -34,7 +34,8 @@ def find_horovodrun() -> str:
     """``horovodrun`` next to this Python (the environment Horovod was built into), else on ``PATH``.
 
     Raises:
-        FileNotFoundError: naming ``make setup``.
+        FileNotFoundError: naming the build command and ``ddp_adasum``
+            (:func:`adasum_lightning.horovod_support.missing_horovod_message`).
     """
     beside = Path(sys.executable).with_name("horovodrun")
     if beside.exists():
@@ -42,9 +43,9 @@ def find_horovodrun() -> str:
     found = shutil.which("horovodrun")
     if found:
         return found
-    raise FileNotFoundError(
-        "horovodrun is not installed in this environment: run `make setup` (it builds Horovod)"
-    )
+    from adasum_lightning.horovod_support import missing_horovod_message
+
+    raise FileNotFoundError(missing_horovod_message("horovodrun (Horovod's launcher)"))
 
 
 def _children(pid: int) -> list[int]:
@@ -71,7 +72,7 @@ def _signal_targets(child: int) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``horovodrun`` with ``argv`` and forward termination signals to the job; returns its exit status
-    (128 + N when it died of signal N)."""
+    (128 + N when it died of signal N), or 2 without a traceback when Horovod is not installed."""
     from adasum_lightning.fault_tolerance import mpi_env
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -81,7 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if added:
         settings = " ".join(f"{name.removeprefix('OMPI_MCA_')}={value}" for name, value in added.items())
         print(f"[adasum-horovodrun] Open MPI settings: {settings}", file=sys.stderr, flush=True)
-    child = subprocess.Popen([find_horovodrun(), *args], env=env)
+    try:
+        horovodrun = find_horovodrun()
+    except FileNotFoundError as err:
+        print(f"adasum-horovodrun: error: {err}", file=sys.stderr)
+        return 2
+    child = subprocess.Popen([horovodrun, *args], env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         for pid in _signal_targets(child.pid):

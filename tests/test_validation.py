@@ -29,7 +29,7 @@ from adasum_lightning.validation import (
     nearest_powers_of_two,
     overlap_fallback_reason,
 )
-from tests.helpers import mpi_env, quick_fit
+from tests.helpers import ROOT, mpi_env, quick_fit
 from tests.workers.lightning import HorovodAdasumStrategy, HorovodStrategy, pl
 from tests.workers.tiny import TinyModule  # noqa: E402
 
@@ -176,7 +176,7 @@ def test_module_wrapped_in_ddp_is_refused_naming_the_fix():
         check_module_unwrapped("ddp_adasum", True)
 
 
-def test_horovod_missing_names_make_setup():
+def test_missing_horovod_names_the_build_script_of_the_checkout_and_ddp_adasum():
     code = (
         "import sys; sys.modules['horovod.torch'] = None\n"
         "from adasum_lightning.trainer.horovod import import_horovod\n"
@@ -185,8 +185,13 @@ def test_horovod_missing_names_make_setup():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=mpi_env()
     )
-    assert "Horovod with PyTorch support is not importable" in out.stdout
-    assert "with `make setup`" in out.stdout
+    assert out.stdout.strip() == (
+        "Horovod with PyTorch support (import of horovod.torch halted; None in sys.modules) is not installed "
+        f"in the environment of {sys.executable}. Build Horovod against its torch with `bash "
+        f"{ROOT / 'patches' / 'build_horovod.sh'} --python {sys.executable}` (it needs Open MPI: the "
+        "Debian/Ubuntu packages openmpi-bin and libopenmpi-dev), or use strategy='ddp_adasum', which needs "
+        "no Horovod."
+    )
 
 
 def test_fit_refuses_norm_clipping_before_any_step():

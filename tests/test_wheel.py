@@ -79,6 +79,28 @@ def _environment():
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
+def test_a_read_only_checkout_builds_the_wheel_and_stays_unchanged(tmp_path):
+    # A copy of the checkout's files, bind-mounted read-only in a mount namespace of its own (root only):
+    # setuptools' build/ and *.egg-info/ go to a scratch folder (setup.py), so pip builds the wheel there.
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a read-only bind mount)")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()  # fmt: skip
+    source = tmp_path / "checkout"
+    for name in files:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    before = sorted(p.relative_to(source) for p in source.rglob("*"))
+    wheel_dir = tmp_path / "wheel"
+    pip_wheel = f"{sys.executable} -m pip wheel -q --no-deps --no-build-isolation -w {wheel_dir} {source}"
+    build = f"mount --bind {source} {source} && mount -o remount,ro,bind {source} && {pip_wheel}"
+    _run(["unshare", "--mount", "sh", "-c", build])
+    (wheel,) = wheel_dir.glob("*.whl")
+    assert wheel.name == f"adasum_lightning-{VERSION}-py3-none-any.whl"
+    assert sorted(p.relative_to(source) for p in source.rglob("*")) == before
+
+
 def test_sdist_and_wheel_hold_the_package_data(dist):
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
@@ -119,6 +141,26 @@ def test_installed_adasum_aml_dry_run_outside_the_checkout(venv, tmp_path):
     image = tmp_path / "st" / "image"
     assert (image / f"adasum_lightning-{VERSION}-py3-none-any.whl").is_file()
     assert (image / "patches" / "build_horovod.sh").is_file() and (image / "constraints.txt").is_file()
+
+
+def test_installed_adasum_horovodrun_without_horovod_names_the_packaged_build_script(venv, tmp_path):
+    # The venv has no Horovod: one line naming the build script inside the installed package, no traceback.
+    env = _environment()
+    path = env["PATH"].split(os.pathsep)
+    env["PATH"] = os.pathsep.join(d for d in path if not Path(d, "horovodrun").exists())
+    proc = subprocess.run(
+        [str(venv.with_name("adasum-horovodrun")), "-np", "2", str(venv), "-c", "pass"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    script = next(venv.parent.parent.glob("lib/python3*/site-packages/adasum_lightning/aml/horovod_build"))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"adasum-horovodrun: error: horovodrun (Horovod's launcher) is not installed in the environment of "
+        f"{venv}. Build Horovod against its torch with `bash {script / 'build_horovod.sh'} --python {venv}` "
+        "(it needs Open MPI: the Debian/Ubuntu packages openmpi-bin and libopenmpi-dev), or use "
+        "strategy='ddp_adasum', which needs no Horovod."
+    )
+    assert "Traceback" not in proc.stderr and (script / "build_horovod.sh").is_file()
 
 
 def test_installed_adasum_aml_trains_a_users_project_locally(venv, tmp_path):

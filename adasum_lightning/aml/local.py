@@ -32,6 +32,7 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob, AmlUsageError, is_power_of_two
 from adasum_lightning.aml.project import bind_placeholders
 from adasum_lightning.aml.staging import stage_code
+from adasum_lightning.horovod_support import missing_horovod_message
 
 #: Inherited variables of other launchers and schedulers, removed from a ``ddp_adasum`` local run so that
 #: Lightning sees only what an Azure ML PyTorch job sets (e.g. ``TORCHELASTIC_RUN_ID`` would select
@@ -116,13 +117,9 @@ def local_command(
     if not horovodrun.exists():
         found = shutil.which("horovodrun")
         if not found:
-            from adasum_lightning.aml.staging import HOROVOD_BUILD_PACKAGE, package_file
-
-            script = package_file(HOROVOD_BUILD_PACKAGE, "build_horovod.sh")
             raise AmlUsageError(
-                f"--strategy {job.strategy} needs horovodrun, which this environment lacks: use --strategy "
-                f"ddp_adasum (no Horovod), or build Horovod with `bash {script} --python {python}` (needs "
-                "Open MPI; in a checkout `make setup` does it)"
+                f"--strategy {job.strategy} needs horovodrun: "
+                + missing_horovod_message("horovodrun (Horovod's launcher)", "--strategy ddp_adasum", python)
             )
         horovodrun = Path(found)
     launcher = [str(horovodrun), "-np", str(np), "-H", f"localhost:{np}", "--mpi"]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from adasum_lightning.aml.job import TRAINING_SCRIPT, AmlJob, AmlUsageError
 from adasum_lightning.aml.project import copy_snapshot
+from adasum_lightning.horovod_support import HOROVOD_BUILD_PACKAGE
 
 #: GPU compute capabilities Horovod's CUDA kernels are built for (T4, A100, A10/A40, L4, H100).
 CUDA_CC_LIST = "75,80,86,89,90"
@@ -41,7 +42,6 @@ IMAGE_EXTRAS = "examples,lightning"
 DISTRIBUTION = "adasum-lightning"
 #: Packages of the bundled files (``setup.py`` maps ``examples/`` and ``patches/`` there).
 EXAMPLE_PACKAGE = "adasum_lightning.aml.example"
-HOROVOD_BUILD_PACKAGE = "adasum_lightning.aml.horovod_build"
 #: The example's files in the snapshot: the LightningCLI script and its Lightning-free model and data.
 EXAMPLE_FILES = (TRAINING_SCRIPT, "mnist_torch.py")
 #: Files of an installed ``.dist-info`` that describe the installation, not the package.

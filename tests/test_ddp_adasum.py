@@ -73,6 +73,38 @@ def test_torchrun_launches_the_processes(cases):
     assert_ranks_identical(ranks)
 
 
+TWO_OPTIMIZERS = fit("ddp_adasum-two-optimizers", 2, "--model", "two_optimizers", "--epochs", "2")
+
+
+@pytest.mark.cases(TWO_OPTIMIZERS)
+def test_two_optimizers_with_manual_optimization(cases):
+    # a GAN's pattern (Lightning's GAN example): manual optimization, one optimizer per sub-network, each
+    # optimizer.step() the Adasum of that optimizer's deltas; each rank trains on its own shard
+    ranks = cases[TWO_OPTIMIZERS].ranks
+    assert all(res["global_step"] == 32 for res in ranks)  # 8 batches × 2 epochs × 2 optimizer steps
+    assert_ranks_identical(ranks, "start")
+    assert_ranks_identical(ranks)
+    for name in ("net.0.weight", "head.weight"):
+        assert not torch.equal(ranks[0]["end"][name], ranks[0]["start"][name]), name
+
+
+TRANSFORMER = fit("ddp_adasum-transformer-norm-clipping", 2, "--model", "transformer", "--epochs", "1",
+                  "--clip-value", "0.05", "--clip-algorithm", "norm")  # fmt: skip
+
+
+@pytest.mark.cases(TRANSFORMER)
+def test_a_transformer_with_norm_clipping_trains_identically_on_every_rank(cases):
+    # Lightning's transformer example's parameter kinds (attention, LayerNorm, feed-forward) with
+    # gradient_clip_val: each rank clips its own gradients before its local step (no refusal, no fallback)
+    ranks = cases[TRANSFORMER].ranks
+    assert all(res["global_step"] == 8 for res in ranks)
+    assert_ranks_identical(ranks, "start")
+    assert_ranks_identical(ranks)
+    changed = {name for name, t in ranks[0]["end"].items() if not torch.equal(t, ranks[0]["start"][name])}
+    layer = "net.1.layers.0"
+    assert {f"{layer}.self_attn.in_proj_weight", f"{layer}.norm1.weight", "net.3.weight"} <= changed
+
+
 def test_srun_tasks_train_through_lightnings_slurm_environment(tmp_path):
     # Two processes started the way `srun --ntasks-per-node=2` starts them: SLURM's variables only (no RANK,
     # WORLD_SIZE or MASTER_ADDR). Lightning's SLURMEnvironment gives the ranks and the address (the first

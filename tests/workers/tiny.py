@@ -11,7 +11,15 @@ from torch.utils.data import DataLoader
 from tests.workers.lightning import pl
 from tests.workers.samples import IndexedData, tiny_net
 
-__all__ = ["IndexedData", "tiny_net", "TinyModule", "FrozenBranchModule", "TwoOptimizerModule", "MODULES"]
+__all__ = [
+    "IndexedData",
+    "tiny_net",
+    "TinyModule",
+    "FrozenBranchModule",
+    "TwoOptimizerModule",
+    "TransformerModule",
+    "MODULES",
+]
 
 
 class TinyModule(pl.LightningModule):
@@ -154,4 +162,27 @@ class TwoOptimizerModule(TinyModule):
         )
 
 
-MODULES = {"tiny": TinyModule, "frozen_branch": FrozenBranchModule, "two_optimizers": TwoOptimizerModule}
+class TransformerModule(TinyModule):
+    """A one-layer transformer encoder (attention, LayerNorm, feed-forward; no dropout) over each sample's 8
+    features read as a sequence of 2 tokens of width 4, then a linear head: the parameter kinds of
+    Lightning's transformer example."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        layer = nn.TransformerEncoderLayer(
+            d_model=4, nhead=2, dim_feedforward=8, dropout=0.0, batch_first=True
+        )
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (2, 4)),
+            nn.TransformerEncoder(layer, 1, enable_nested_tensor=False),
+            nn.Flatten(),
+            nn.Linear(8, 4),
+        )
+
+
+MODULES = {
+    "tiny": TinyModule,
+    "frozen_branch": FrozenBranchModule,
+    "two_optimizers": TwoOptimizerModule,
+    "transformer": TransformerModule,
+}

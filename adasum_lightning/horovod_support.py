@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.optim import Optimizer
@@ -42,7 +43,10 @@ def missing_horovod_message(
     this one); the build command with the build script as installed (a checkout's or the wheel's), or
     ``alternative``, which needs no Horovod."""
     python = python or sys.executable
-    script = importlib.resources.files(HOROVOD_BUILD_PACKAGE).joinpath("build_horovod.sh")
+    try:
+        script = importlib.resources.files(HOROVOD_BUILD_PACKAGE).joinpath("build_horovod.sh")
+    except ModuleNotFoundError:  # a checkout on sys.path, not installed: the package is its patches/ folder
+        script = Path(__file__).resolve().parent.parent / "patches" / "build_horovod.sh"
     return (
         f"{what} is not installed in the environment of {python}. Build Horovod against its torch with "
         f"`bash {script} --python {python}` (it needs Open MPI: the Debian/Ubuntu packages openmpi-bin and "

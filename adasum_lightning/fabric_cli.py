@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Run Lightning's ``fabric`` command with ``argv`` (default: this process's arguments).
 
     Raises:
-        SystemExit: with the command's exit status; 2 with the fix when ``click`` (which Lightning's command
+        SystemExit: with the command's exit status; 1 with the fix when ``click`` (which Lightning's command
             needs) or a Fabric package is not installed.
     """
     args = list(sys.argv[1:] if argv is None else argv)

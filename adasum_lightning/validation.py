@@ -225,6 +225,17 @@ def check_gradient_clipping(value: float | None, algorithm: str | None) -> None:
         )
 
 
+def check_compression(compression: str) -> str:
+    """``compression`` of a Horovod strategy: ``"none"`` or ``"fp16"`` (Horovod's ``Compression.fp16``).
+
+    Raises:
+        ValueError: any other value.
+    """
+    if compression not in ("none", "fp16"):
+        raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
+    return compression
+
+
 def check_gradient_predivide_factor(factor: float) -> None:
     """``gradient_predivide_factor`` splits an *average*; Adasum has none.
 
@@ -598,3 +609,51 @@ def overlap_fallback_reason(
         hooks = ", ".join(before_step_hooks)
         return f"{hooks} run between backward and the step (they may change gradients or read parameters)"
     return None
+
+
+def check_sync_every(
+    sync_every: object,
+    combine: object,
+    owner: str,
+    overlap_backward: bool = False,
+    outer_optimizer: bool = False,
+) -> None:
+    """``sync_every`` is a whole number ≥ 1 and ``combine`` one of ``"adasum"``, ``"mean"``;
+    ``overlap_backward`` (the Adasum of every step, during backward) goes with neither a window of several
+    steps, nor the mean, nor an outer optimizer.
+
+    Raises:
+        AdasumConfigurationError: the value that is off and the accepted ones.
+    """
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise AdasumConfigurationError(
+            f"{owner}'s sync_every is the number of local optimizer steps between syncs, a whole number ≥ 1 "
+            f"(1: combine every step), got {sync_every!r}"
+        )
+    if combine not in ("adasum", "mean"):
+        raise AdasumConfigurationError(
+            f"{owner}'s combine is 'adasum' (orthogonal pseudo-gradients add, parallel ones average) or "
+            f"'mean' (their average, as local SGD and DiLoCo do), got {combine!r}"
+        )
+    if overlap_backward and (sync_every > 1 or combine != "adasum" or outer_optimizer):
+        given = f"sync_every={sync_every}" if sync_every > 1 else f"combine={combine!r}"
+        given = "an outer optimizer" if sync_every == 1 and combine == "adasum" else given
+        raise AdasumConfigurationError(
+            f"{owner}: overlap_backward=True combines every step by Adasum during backward, which {given} "
+            "does not: pass overlap_backward=False with local SGD (sync_every, combine, outer_optimizer)."
+        )
+
+
+def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int]) -> None:
+    """The outer optimizer steps exactly the inner optimizer's parameters (``inner``, ``outer``: their ids).
+
+    Raises:
+        AdasumConfigurationError: naming how many parameters differ and how to build the outer optimizer.
+    """
+    missing, extra = len(set(inner) - set(outer)), len(set(outer) - set(inner))
+    if missing or extra:
+        raise AdasumConfigurationError(
+            f"{owner}: the outer optimizer must step the same parameters as the inner one ({missing} of the "
+            f"inner optimizer's parameters missing, {extra} others): build it over the same parameters, e.g. "
+            "torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)."
+        )

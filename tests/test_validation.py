@@ -179,7 +179,7 @@ def test_module_wrapped_in_ddp_is_refused_naming_the_fix():
 def test_missing_horovod_names_the_build_script_of_the_checkout_and_ddp_adasum():
     code = (
         "import sys; sys.modules['horovod.torch'] = None\n"
-        "from adasum_lightning.trainer.horovod import import_horovod\n"
+        "from adasum_lightning.horovod_support import import_horovod\n"
         "try:\n    import_horovod()\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run(

@@ -8,30 +8,14 @@ same files with that name renamed.
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_fabric.strategies import STRATEGY_REGISTRY
 
 from .ddp_adasum import DDPAdasumStrategy
 from .environment import HorovodEnvironment
 from .horovod import HorovodAdasumStrategy, HorovodStrategy
 
-__all__ = [
-    "DDPAdasumStrategy",
-    "HorovodAdasumStrategy",
-    "HorovodEnvironment",
-    "HorovodStrategy",
-    "register_strategies",
-]
+__all__ = ["DDPAdasumStrategy", "HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"]
 
-#: The Fabric strategies ``import adasum_lightning`` registers, by name.
-STRATEGIES = (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy)
-
-
-def register_strategies(strategy_registry: Any) -> None:
-    """Add ``ddp_adasum`` to Fabric's registry (``lightning_fabric.strategies.STRATEGY_REGISTRY``)."""
-    for strategy in STRATEGIES:
-        strategy.register_strategies(strategy_registry)
-
-
-register_strategies(STRATEGY_REGISTRY)
+# Registered by name with the strategy registry on import: Fabric(strategy="ddp_adasum").
+for _strategy in (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy):
+    _strategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,15 +1,8 @@
-"""``Fabric(strategy="horovod_adasum")`` and ``Fabric(strategy="horovod")``: Horovod's optimizer in Fabric.
-
-The Fabric counterparts of the Trainer's Horovod strategies
-(:mod:`adasum_lightning.trainer.horovod`): processes are started by ``horovodrun`` / ``mpirun``,
-each optimizer is wrapped in ``hvd.DistributedOptimizer`` (``op=hvd.Adasum`` or ``hvd.Average``), and a
-``torch.distributed`` process group over Horovod's ranks carries Fabric's own collectives (``all_gather``,
-``all_reduce``, ``broadcast``, ``barrier``) and the ``DistributedSampler``.
-"""
+"""``Fabric(strategy="horovod_adasum")`` and ``Fabric(strategy="horovod")``: Horovod's optimizer in Fabric,
+the counterparts of :mod:`adasum_lightning.trainer.horovod`."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -19,24 +12,24 @@ import torch
 from lightning_fabric.accelerators import Accelerator
 from lightning_fabric.plugins import CheckpointIO, Precision
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
-from torch.nn import Module, SyncBatchNorm
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
-from adasum_lightning.horovod_support import (
-    agree_on_process_group,
-    check_adasum_world,
-    import_horovod,
-    needs_closure,
+from adasum_lightning._strategy_parts import (
+    HorovodProcess,
+    named_parameters,
+    prepare_unwrapped_module,
+    register,
+    sampler_seed,
 )
-from adasum_lightning.launchers import detect_launcher, launcher_rank
+from adasum_lightning.horovod_support import needs_closure
+from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
-from adasum_lightning.step import broadcast_from_rank_zero
 from adasum_lightning.validation import reported_on_every_rank
 
 from . import _compat
@@ -45,50 +38,36 @@ from .environment import HorovodEnvironment
 __all__ = ["HorovodStrategy", "HorovodAdasumStrategy"]
 
 
-class HorovodStrategy(DDPStrategy):
+class HorovodStrategy(HorovodProcess, DDPStrategy):
     """Fabric with Horovod's gradient averaging: one process per device, started by ``horovodrun``/``mpirun``.
 
-    ``fabric.setup`` gives every rank the first rank's parameters and buffers (no ``DistributedDataParallel``
-    wrapper) and wraps each optimizer in ``hvd.DistributedOptimizer(op=hvd.Average)``: ``fabric.backward``
-    starts the gradient allreduce, ``optimizer.step()`` waits for it and steps on the averaged gradients.
-    ``fabric.clip_gradients`` waits for it first, so it clips the averaged gradients (and ``optimizer.step()``
-    does not reduce them again). An optimizer whose ``step`` takes a closure (LBFGS) gets the gradients of
-    each evaluation averaged, and the loss too, so every rank takes the same decisions.
-
-    Learning rate: Fabric has no hook that scales it, so ``setup_optimizer`` does, once per optimizer: with
-    ``lr_scaling="auto"`` every param group's ``lr`` is multiplied by the world size (pytorch-lightning 1.x's
-    Horovod strategy, PL #2574), as the Trainer's ``horovod`` does. Create learning-rate schedulers after
-    ``fabric.setup``, so that they start from the scaled rates.
-
-    ``fabric.no_backward_sync``: Horovod's hooks cannot be paused; they reduce on the
-    ``backward_passes_per_step``-th backward pass (or at ``optimizer.step()`` for a shorter window). Set it to
-    the number of backward passes per step; skipping more passes than it leaves is refused.
-
-    Beside Horovod, a ``torch.distributed`` process group over the same ranks (Gloo on CPU, NCCL on GPU) runs
-    Fabric's collectives. Its address is rank 0's (``127.0.0.1`` on one host; ``MASTER_ADDR`` when set), its
-    port a free one rank 0 picks (``MASTER_PORT`` when set); Horovod broadcasts both.
+    ``fabric.setup`` gives every rank the first rank's parameters and buffers (no ``DistributedDataParallel``)
+    and wraps each optimizer in ``hvd.DistributedOptimizer(op=hvd.Average)``. ``optimizer.step()`` and
+    ``fabric.clip_gradients`` wait for the gradient allreduce first, so clipping sees the averaged gradients;
+    a closure optimizer (LBFGS) gets each evaluation's gradients and loss averaged. Fabric has no hook that
+    scales the learning rate, so ``setup_optimizer`` does (``lr_scaling``): build schedulers after
+    ``fabric.setup``. Horovod's hooks cannot be paused: ``fabric.no_backward_sync`` counts the skipped passes
+    against ``backward_passes_per_step``. Launch and process group: :class:`~adasum_lightning._strategy_parts.
+    HorovodProcess`.
 
     Args:
-        accelerator, parallel_devices, checkpoint_io, precision: as for ``DDPStrategy``; Fabric fills them
-            from its arguments.
+        accelerator, parallel_devices, checkpoint_io, precision: as for ``DDPStrategy``.
         process_group_backend, timeout: of the ``torch.distributed`` process group beside Horovod.
         lr_scaling: ``"auto"`` (× world size here), ``"none"`` or a positive factor.
         backward_passes_per_step: backward passes per optimizer step (gradient accumulation), Horovod's.
-        compression: ``"none"`` or ``"fp16"``: values are cast to float16 for the allreduce only.
-        gradient_predivide_factor: Horovod's averaging split (gradients ÷ factor before the sum, × factor ÷
-            size after). Must be 1 for Adasum.
+        compression: ``"none"`` or ``"fp16"`` (float16 on the wire only).
+        gradient_predivide_factor: Horovod's averaging split; 1 for Adasum.
 
     Raises:
         ValueError: an invalid ``lr_scaling``, ``backward_passes_per_step`` or ``compression``.
-        AdasumConfigurationError: on every rank, before the first step — a process Horovod sees alone though
-            more were started or ``devices`` > 1, ``HOROVOD_CPU_OPERATIONS=gloo`` under MPI, a module on
-            several devices, wrapped in ``DistributedDataParallel`` or with bfloat16 parameters on CPU,
-            ``SyncBatchNorm`` on CPU, more backward passes skipped than ``backward_passes_per_step`` leaves.
+        AdasumConfigurationError: on every rank, before the first step — a bad launch, a module on several
+            devices, wrapped in ``DistributedDataParallel``, with bfloat16 parameters or ``SyncBatchNorm`` on
+            CPU, more backward passes skipped than ``backward_passes_per_step`` leaves.
     """
 
     strategy_name = "horovod"
-    #: Horovod op name used by the optimizer wrapper ("Average" or "Adasum").
     reduction = "Average"
+    api = "Fabric"
 
     def __init__(
         self,
@@ -116,15 +95,11 @@ class HorovodStrategy(DDPStrategy):
         passes = backward_passes_per_step
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {passes!r}")
-        if compression not in ("none", "fp16"):
-            raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
         self.backward_passes_per_step = backward_passes_per_step
-        self.compression = compression
+        self.compression = validation.check_compression(compression)
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         #: The learning-rate factor applied to the last optimizer set up (None before).
         self.lr_factor: float | None = None
-        self._hvd: Any = None
-        self._requested_devices = 1
         self._parameter_names: dict[Tensor, str] = {}
         self._modules_set_up = 0
         self._optimizers_set_up = 0
@@ -134,77 +109,13 @@ class HorovodStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ properties
     @property
-    def hvd(self) -> Any:
-        """The ``horovod.torch`` module, imported on first use."""
-        if self._hvd is None:
-            self._hvd = import_horovod()
-        return self._hvd
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices
-        if devices and devices[0].type == "cuda":
-            return torch.device("cuda", self.local_rank)
-        return torch.device(devices[0].type) if devices else torch.device("cpu")
-
-    @property
-    @override
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        # One process per device: whatever ``devices`` Fabric was given, this process drives one of that kind
-        # (cuda:<local rank>, see root_device). The requested count is kept for the launch check.
-        if devices:
-            self._requested_devices = len(devices)
-            devices = [torch.device(torch.device(devices[0]).type)]
-        self._parallel_devices = devices
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every Horovod rank a shard (``DDPStrategy``'s counts processes per node × nodes, and here a node
-        runs one device per process), with one shuffling seed for all ranks: rank 0's ``seed_everything``
-        seed. Read when ``fabric.setup_dataloaders`` runs, which every rank calls (a broadcast)."""
-        seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", 0)), src=0)
-        return {"num_replicas": self.world_size, "rank": self.global_rank, "seed": seed}
+        """Every Horovod rank a shard, shuffled with rank 0's ``seed_everything`` seed (a broadcast, when
+        ``fabric.setup_dataloaders`` runs on every rank)."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank, "seed": sampler_seed(self)}
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = None  # horovodrun / mpirun start the processes
-
-    @override
-    def setup_environment(self) -> None:
-        """``hvd.init()``, the launch rules, then the ``torch.distributed`` process group at the address the
-        ranks agree on through Horovod."""
-        hvd = self.hvd
-        hvd.init()
-        with reported_on_every_rank(hvd.rank()):
-            # before the first collective: a bad launch can crash or hang in one
-            validation.check_launch(
-                hvd.size(),
-                detect_launcher(),
-                self._requested_devices,
-                api="Fabric",
-                strategy_name=self.strategy_name,
-            )
-            self._validate_environment()
-        environment = self.cluster_environment
-        assert isinstance(environment, HorovodEnvironment)
-        self.num_nodes = agree_on_process_group(hvd, environment)
-        super().setup_environment()
-
-    def _validate_environment(self) -> None:
-        """Rules on the launch (and, under Adasum, the precision), checked right after ``hvd.init()``."""
-        validation.check_cpu_operations(
-            mpi_enabled=self.hvd.mpi_enabled(),
-            cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS"),
-            strategy_name=self.strategy_name,
-        )
-
     @override
     def setup_module(self, module: Module) -> Module:
         """Give every rank the first rank's parameters and buffers; no ``DistributedDataParallel`` wrapper.
@@ -212,19 +123,12 @@ class HorovodStrategy(DDPStrategy):
         The parameters' names become the names of their allreduce operations.
         """
         with reported_on_every_rank(self.global_rank):
-            validation.check_module_unwrapped(self.strategy_name, isinstance(module, DistributedDataParallel))
-            validation.check_single_device(self.strategy_name, [*module.parameters(), *module.buffers()])
-            sync_layers = [name for name, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
-            validation.check_sync_batchnorm(self.root_device.type, False, sync_layers, self.strategy_name)
             validation.check_horovod_dtypes(
                 self.strategy_name,
                 self.root_device.type,
                 {p.dtype for p in module.parameters() if p.requires_grad},
             )
-        for param in module.parameters():
-            if not param.data.is_contiguous():
-                param.data = param.data.contiguous()  # Horovod reduces parameters and gradients in place
-        broadcast_from_rank_zero([*module.parameters(), *module.buffers()])
+        prepare_unwrapped_module(self, module)
         prefix = f"module{self._modules_set_up}." if self._modules_set_up else ""
         for name, param in module.named_parameters():
             self._parameter_names.setdefault(param, prefix + name)
@@ -240,18 +144,10 @@ class HorovodStrategy(DDPStrategy):
         """
         with reported_on_every_rank(self.global_rank):
             self._validate_optimizer(optimizer)
-        hvd = self.hvd
         index = self._optimizers_set_up
         self._optimizers_set_up += 1
-        compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
-        wrapped = hvd.DistributedOptimizer(
-            optimizer,
-            named_parameters=self._named_parameters(optimizer, index),
-            compression=compression,
-            op=getattr(hvd, self.reduction),
-            backward_passes_per_step=self.backward_passes_per_step,
-            gradient_predivide_factor=self.gradient_predivide_factor,
-        )
+        named = named_parameters(optimizer, index, self._parameter_names)
+        wrapped = self._horovod_optimizer(optimizer, named, self.backward_passes_per_step)
         _compat.route_horovod_methods_to(wrapped)
         self.lr_factor = self.lr_scale_factor()
         scale_learning_rates([wrapped], [], self.lr_factor)
@@ -264,20 +160,9 @@ class HorovodStrategy(DDPStrategy):
     def _validate_optimizer(self, optimizer: Optimizer) -> None:
         """Rules on an optimizer, checked before it is wrapped."""
 
-    def _named_parameters(self, optimizer: Optimizer, index: int) -> list[tuple[str, Tensor]]:
-        """(name, parameter) for this optimizer's parameters only; names are the allreduce names."""
-        named = []
-        for g, group in enumerate(optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                named.append((self._parameter_names.get(p, f"optimizer{index}.group{g}.param{j}"), p))
-        return named
-
     def lr_scale_factor(self) -> float:
         """The factor ``setup_optimizer`` applies to the learning rates (see ``lr_scaling``)."""
         return lr_factor(self.lr_scaling, self._auto_lr_factor)
-
-    def _auto_lr_factor(self) -> float:
-        return float(self.world_size)
 
     # ------------------------------------------------------------------------------------------ step
     @override
@@ -290,27 +175,22 @@ class HorovodStrategy(DDPStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Wait for the gradient allreduce, then clip the averaged gradients (as every rank does)."""
-        self._synchronize(optimizer)
+        self._before_clipping(optimizer, "norm", max_norm)
         return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         """Wait for the gradient allreduce, then clip the averaged gradients (as every rank does)."""
-        self._synchronize(optimizer)
+        self._before_clipping(optimizer, "value", clip_val)
         return super().clip_gradients_value(module, optimizer, clip_val)
+
+    def _before_clipping(self, optimizer: Optimizer, kind: str, limit: float) -> None:
+        self._synchronize(optimizer)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Horovod's reduction of the step (``hvd.DistributedOptimizer``).
-
-        Averaging (``horovod``, and ``horovod_adasum`` at world size 1, where Horovod returns its averaging
-        wrapper): wait for the gradient allreduce (unless ``fabric.clip_gradients`` did), then Fabric's step
-        without a second one. With a closure (LBFGS), each evaluation's gradients are averaged right after it,
-        and the loss the closure returns to the optimizer too, so that every rank takes the same decisions.
-
-        Adasum (``horovod_adasum``): Horovod's ``step()`` waits for the deltas' allreduce and applies the
-        reduced delta; it has no ``synchronize()``, so the step goes straight through.
-        """
+        """Averaging (also Adasum at world size 1, where Horovod averages): wait for the gradient allreduce
+        once, then Fabric's step. Adasum: Horovod's ``step()`` waits for the reduced deltas, applies them."""
         try:
             if self.reduction == "Adasum" and self.world_size > 1:
                 return super().optimizer_step(optimizer, **kwargs)
@@ -354,35 +234,23 @@ class HorovodStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0], override=True
-        )
+        register(strategy_registry, cls)
 
 
 class HorovodAdasumStrategy(HorovodStrategy):
     """Fabric with Horovod's Adasum of parameter deltas: one process per device, started by ``horovodrun``.
 
-    Each optimizer is wrapped in ``hvd.DistributedOptimizer(op=hvd.Adasum)``. With world size > 1 that is
-    Horovod's ``_DistributedAdasumOptimizer``: in ``fabric.backward``, on the ``backward_passes_per_step``-th
-    pass, each parameter's hook runs the wrapped optimizer's step on that parameter alone and starts the
-    Adasum allreduce of its delta; ``optimizer.step()`` waits and sets the parameter to its start + the
-    reduced delta (the Trainer's ``horovod_adasum``). Each rank keeps its own optimizer state.
-
-    Learning rate, ``lr_scaling="auto"``: no world-size scaling (Horovod's ``docs/adasum_user_guide.rst``).
-    Factor 1 on CPU; ``hvd.local_size()`` when Horovod is NCCL-built and the model is on GPU, because NCCL
-    Adasum averages inside a node and applies Adasum across nodes.
-
-    Since the local step runs inside backward, what must act before it cannot: ``fabric.clip_gradients`` (by
-    norm or by value), fp16 with a gradient scaler (``"16-mixed"``) and optimizers whose ``step`` needs a
-    closure (LBFGS) are refused, on every rank and before the first step. ``fabric.no_backward_sync`` works as
-    under :class:`HorovodStrategy`, with ``backward_passes_per_step``.
+    Each optimizer is wrapped in ``hvd.DistributedOptimizer(op=hvd.Adasum)``: in ``fabric.backward`` each
+    parameter's hook steps it alone and starts the Adasum allreduce of its delta; ``optimizer.step()`` applies
+    the reduced delta (the Trainer's ``horovod_adasum``). Each rank keeps its own optimizer state; no
+    world-size learning-rate scaling. What must act before a local step inside backward cannot: clipping,
+    fp16 with a gradient scaler and closure optimizers (LBFGS) are refused.
 
     Args: as :class:`HorovodStrategy`.
 
     Raises:
         AdasumConfigurationError: on every rank, before the first step — the refusals above,
-            ``gradient_predivide_factor`` ≠ 1, a world size that is not a power of 2 on CPU, Horovod without
-            MPI or under the Gloo controller (``horovodrun --gloo``), and those of :class:`HorovodStrategy`.
+            ``gradient_predivide_factor`` ≠ 1, Horovod's Adasum world rules, :class:`HorovodStrategy`'s.
     """
 
     strategy_name = "horovod_adasum"
@@ -398,49 +266,22 @@ class HorovodAdasumStrategy(HorovodStrategy):
     def _validate_environment(self) -> None:
         super()._validate_environment()
         validation.check_precision(self.precision.precision)
-        warning = check_adasum_world(self.hvd, self.root_device.type)
-        if warning:
-            rank_zero_warn(warning)
 
     @override
     def _validate_optimizer(self, optimizer: Optimizer) -> None:
         names = [type(optimizer).__name__] if needs_closure(optimizer) else []
         validation.check_closure_optimizers(self.strategy_name, names)
 
-    @override
-    def _auto_lr_factor(self) -> float:
-        """1 on CPU; ``hvd.local_size()`` on GPU with a NCCL build (``lr_scaling="auto"``)."""
-        hvd = self.hvd
-        on_gpu = self.root_device.type == "cuda"
-        return float(hvd.local_size()) if on_gpu and hvd.nccl_built() else 1.0
-
     # ------------------------------------------------------------------------------------------ step
     @override
-    def clip_gradients_norm(
-        self,
-        module: Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
+    def _before_clipping(self, optimizer: Optimizer, kind: str, limit: float) -> None:
         """Refused: the local step ran inside backward (see the class).
 
         Raises:
             AdasumConfigurationError: on every rank, naming the strategies that can clip.
         """
         with reported_on_every_rank(self.global_rank):
-            raise validation.clipping_refused(self.strategy_name, "norm", max_norm)
-
-    @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        """Refused: the local step ran inside backward (see the class).
-
-        Raises:
-            AdasumConfigurationError: on every rank, naming the strategies that can clip.
-        """
-        with reported_on_every_rank(self.global_rank):
-            raise validation.clipping_refused(self.strategy_name, "value", clip_val)
+            raise validation.clipping_refused(self.strategy_name, kind, limit)
 
 
 class _CountedBackwardSyncControl(_compat.BackwardSyncControl):

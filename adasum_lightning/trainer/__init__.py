@@ -7,8 +7,6 @@ its copy for the unified package is the same files with those two names renamed.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pytorch_lightning.strategies import StrategyRegistry
 
 from adasum_lightning.fabric.environment import HorovodEnvironment
@@ -16,22 +14,8 @@ from adasum_lightning.fabric.environment import HorovodEnvironment
 from .ddp_adasum import DDPAdasumStrategy
 from .horovod import HorovodAdasumStrategy, HorovodStrategy
 
-__all__ = [
-    "DDPAdasumStrategy",
-    "HorovodAdasumStrategy",
-    "HorovodEnvironment",
-    "HorovodStrategy",
-    "register_strategies",
-]
+__all__ = ["DDPAdasumStrategy", "HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"]
 
-#: The strategies ``import adasum_lightning`` registers, by name.
-STRATEGIES = (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy)
-
-
-def register_strategies(strategy_registry: Any) -> None:
-    """Add ``horovod_adasum``, ``horovod`` and ``ddp_adasum`` to a Lightning ``StrategyRegistry``."""
-    for strategy in STRATEGIES:
-        strategy.register_strategies(strategy_registry)
-
-
-register_strategies(StrategyRegistry)
+# Registered by name with the StrategyRegistry on import: Trainer(strategy="ddp_adasum").
+for _strategy in (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy):
+    _strategy.register_strategies(StrategyRegistry)

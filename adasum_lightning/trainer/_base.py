@@ -1,15 +1,8 @@
-"""What the three strategies share: Lightning's DDP strategy without its ``DistributedDataParallel`` wrapper.
+"""What the three Trainer strategies share: Lightning's ``DDPStrategy`` without ``DistributedDataParallel``.
 
-Lightning's cross-rank code — ``self.log(sync_dist=True)``, ``all_gather`` (with gradients), ``broadcast``,
-``barrier``, ``sync_batchnorm``, the DistributedSampler, the SIGTERM agreement between ranks, torchmetrics'
-state sync, checkpoint writing by rank 0 — is written for a ``torch.distributed`` process group. These
-strategies extend :class:`~pytorch_lightning.strategies.DDPStrategy`, so all of it runs as under
-``strategy="ddp"``: the process group, the collectives and the set-up are DDPStrategy's own. What differs is
-how the training update crosses ranks: instead of wrapping the module in ``DistributedDataParallel`` (which
-averages gradients during backward), :meth:`configure_ddp` only broadcasts rank 0's parameters and buffers,
-and each subclass reduces the update itself — Horovod's optimizer wrapper (``horovod_adasum``, ``horovod``)
-or the Adasum of parameter deltas after each local step (``ddp_adasum``). Lightning's ``DeepSpeedStrategy``
-is built the same way: the engine communicates gradients, ``DDPStrategy``'s code does everything else.
+Lightning's cross-rank code (``self.log(sync_dist=True)``, ``all_gather``, ``broadcast``, the sampler, the
+SIGTERM agreement, torchmetrics, checkpoints) runs as under ``strategy="ddp"``; only the training update
+crosses ranks another way, reduced by each subclass (as Lightning's ``DeepSpeedStrategy`` lets its engine).
 """
 
 from __future__ import annotations
@@ -35,6 +28,7 @@ from torch.nn import SyncBatchNorm
 from typing_extensions import override
 
 from adasum_lightning import validation
+from adasum_lightning._strategy_parts import make_parameters_contiguous, register, sampler_seed
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.uneven import EvenBatches
 
@@ -122,21 +116,17 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         self._resumed_lr_factor: float | None = None
         #: The learning-rate factor applied when fitting started (None before).
         self.lr_factor: float | None = None
-        self._sampler_seed = 0
         self._pending_sigterm: tuple[Any, int, Any] | None = None
 
     # ------------------------------------------------------------------------------------------ properties
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank, "seed": self._sampler_seed}
+        """Every rank a shard, with rank 0's ``seed_everything`` seed (read, a broadcast, when the Trainer
+        prepares a loader on every rank)."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank, "seed": sampler_seed(self)}
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._sampler_seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", 0)), src=0)
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -198,16 +188,11 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         )
 
     def _defer_sigterm_to_step_end(self) -> None:
-        """Run Lightning's SIGTERM handler at the end of an optimizer step instead of when the signal arrives.
+        """Run Lightning's SIGTERM handler when an optimizer step ends instead of when the signal arrives.
 
-        Lightning's handler (``_SignalConnector``) broadcasts from rank 0 *inside the signal handler*; the
-        other ranks take that broadcast at their next training batch (then a barrier), and everyone stops
-        at the same step. The signal can arrive while the other ranks wait for rank 0 in the update
-        reduction (Horovod's allreduce, or the Adasum exchange): rank 0 then blocks in the broadcast and
-        they in the reduction, for good. Here the handler only records
-        the signal; :meth:`_deliver_pending_sigterm` runs Lightning's handler once the step's reduction is
-        complete, where the other ranks' next collectives are that broadcast and barrier (unless a callback
-        adds one in between, as under DDP).
+        Lightning's handler broadcasts from rank 0 inside the signal handler; arriving while the other ranks
+        wait for rank 0 in the update's reduction, it would leave both waiting for good. Here the handler only
+        records the signal; :meth:`_deliver_pending_sigterm` runs Lightning's once the reduction is complete.
         """
         lightning_handler = signal.getsignal(signal.SIGTERM)
         if not callable(lightning_handler):
@@ -245,9 +230,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         that the update reductions can work on them in place.
         """
         assert self.model is not None
-        for param in self.model.parameters():
-            if not param.data.is_contiguous():
-                param.data = param.data.contiguous()
+        make_parameters_contiguous(self.model)
         _compat.sync_module_states(self.model)
 
     def lr_scale_factor(self) -> float:
@@ -292,13 +275,9 @@ class UpdateReducingDDPStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Save every rank's optimizer state: rank 0's in the checkpoint (as Lightning does), rank r's beside
-        it in ``<file>.rank<r>-optimizer.pt``, each rank writing its own file at the same time.
-
-        Each rank keeps its own optimizer state (momentum, Adam moments from its own gradients), so a run
-        resumed from rank 0's state alone would differ from an uninterrupted one. The checkpoint records the
-        world size and the learning-rate factor under ``"adasum_rank_optimizer_states"``.
-        """
+        """Save every rank's own optimizer state: rank 0's in the checkpoint, rank r's beside it in
+        ``<file>.rank<r>-optimizer.pt`` (resuming from rank 0's alone would differ from an uninterrupted run);
+        the world size and learning-rate factor under ``"adasum_rank_optimizer_states"``."""
         if "optimizer_states" in checkpoint:
             record = {"world_size": self.world_size, "lr_factor": self.lr_factor}
             checkpoint = {**checkpoint, RANK_OPTIMIZER_STATES: record}
@@ -358,6 +337,4 @@ class UpdateReducingDDPStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0], override=True
-        )
+        register(strategy_registry, cls)

@@ -1,72 +1,52 @@
 """Horovod strategies for PyTorch Lightning 2.x: Adasum (``horovod_adasum``) and averaging (``horovod``).
 
-Lightning 2.0 removed its Horovod strategy (PR #16150). These two strategies share one implementation and
-differ only in the reduction op and the learning-rate policy:
-
-======================  ==============================  ===========================================
-name                    reduction (Horovod op)          learning rate, ``lr_scaling="auto"``
-======================  ==============================  ===========================================
-``horovod_adasum``      Adasum of parameter deltas      × 1 on CPU; × ``hvd.local_size()`` on GPU
-                                                        with a NCCL-built Horovod
-``horovod``             average of gradients            × world size (pytorch-lightning 1.x)
-======================  ==============================  ===========================================
-
-Processes are started by ``horovodrun`` / ``mpirun`` (one per device); Lightning never spawns them. Horovod
-does what it is there for — the optimizer's reduction — and a ``torch.distributed`` process group created in
-the same processes from Horovod's rank and size carries everything else (see :mod:`._base`).
+Lightning 2.0 removed its Horovod strategy (`#16150
+<https://github.com/Lightning-AI/pytorch-lightning/pull/16150>`_). The two differ in the reduction op and
+the learning-rate policy (``lr_scaling="auto"``): Adasum of parameter deltas, factor 1 (``hvd.local_size()``
+on GPU with a NCCL-built Horovod); or the average of gradients, factor world size. ``horovodrun``/``mpirun``
+start the processes; Horovod reduces the update and a ``torch.distributed`` process group over the same
+ranks carries everything else (:mod:`._base`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
+from adasum_lightning._strategy_parts import HorovodProcess, named_parameters
 from adasum_lightning.fabric.environment import HorovodEnvironment
-from adasum_lightning.horovod_support import (
-    agree_on_process_group,
-    check_adasum_world,
-    import_horovod,
-    needs_closure,
-)
-from adasum_lightning.launchers import detect_launcher
+from adasum_lightning.horovod_support import needs_closure
 
 from . import _compat
 from ._base import UpdateReducingDDPStrategy
 
-__all__ = ["HorovodStrategy", "HorovodAdasumStrategy", "import_horovod"]
+__all__ = ["HorovodStrategy", "HorovodAdasumStrategy"]
 
 
-class HorovodStrategy(UpdateReducingDDPStrategy):
+class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
     """Data-parallel training with Horovod: one process per device, gradients averaged by allreduce.
 
-    This is pytorch-lightning 1.x's ``strategy="horovod"`` for Lightning 2.x: each optimizer is wrapped in
-    ``hvd.DistributedOptimizer(op=hvd.Average)`` and, with ``lr_scaling="auto"``, every learning rate is
-    multiplied by the world size (PL #2574). :class:`HorovodAdasumStrategy` is the Adasum variant.
-
-    Beside Horovod, a ``torch.distributed`` process group over the same ranks (Gloo on CPU, NCCL on GPU)
-    carries Lightning's own collectives (see :class:`._base.UpdateReducingDDPStrategy`). Its address is
-    rank 0's (``127.0.0.1`` when every rank runs on one host; ``MASTER_ADDR`` when set), its port a free one
-    rank 0 picks (``MASTER_PORT`` when set); Horovod broadcasts both.
+    pytorch-lightning 1.x's ``strategy="horovod"``: each optimizer is wrapped in
+    ``hvd.DistributedOptimizer(op=hvd.Average)`` and ``lr_scaling="auto"`` multiplies every learning rate by
+    the world size (`#2574 <https://github.com/Lightning-AI/pytorch-lightning/issues/2574>`_). The launch
+    rules, the process group beside Horovod and the wrapper: :class:`~adasum_lightning._strategy_parts.
+    HorovodProcess`.
 
     Args:
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy.
         lr_scaling: ``"auto"`` (× world size here), ``"none"`` or a positive factor.
-        compression: ``"none"`` or ``"fp16"``: values are cast to float16 for the allreduce only (Horovod's
-            ``Compression.fp16``).
-        gradient_predivide_factor: Horovod's averaging split (gradients ÷ factor before the sum, × factor ÷
-            size after). Must be 1 for Adasum.
+        compression: ``"none"`` or ``"fp16"`` (Horovod's ``Compression.fp16``: float16 on the wire only).
+        gradient_predivide_factor: Horovod's averaging split (÷ factor before the sum, × factor ÷ size after);
+            1 for Adasum.
         process_group_backend, timeout: of the ``torch.distributed`` process group beside Horovod.
 
     Raises:
@@ -74,7 +54,6 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
     """
 
     strategy_name = "horovod"
-    #: Horovod op name used by the optimizer wrapper ("Average" or "Adasum").
     reduction = "Average"
 
     def __init__(
@@ -97,45 +76,11 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
             lr_scaling=lr_scaling,
             **kwargs,
         )
-        if compression not in ("none", "fp16"):
-            raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
-        self.compression = compression
+        self.compression = validation.check_compression(compression)
         self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self._hvd: Any = None
-        self._requested_devices = 1
         self._hook_handles: list[Any] = []
 
     # ------------------------------------------------------------------------------------------ properties
-    @property
-    def hvd(self) -> Any:
-        """The ``horovod.torch`` module, imported on first use (see :func:`import_horovod`)."""
-        if self._hvd is None:
-            self._hvd = import_horovod()
-        return self._hvd
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if isinstance(self.accelerator, CUDAAccelerator):
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
-
-    @property
-    @override
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        # One process per device: whatever ``devices`` the Trainer was given (e.g. "auto" = every GPU of the
-        # node), this process drives cuda:<local rank> (or the CPU). The requested count is kept for the
-        # launch check (devices=2 in a process Horovod sees alone).
-        if devices:
-            self._requested_devices = len(devices)
-            kind = torch.device(devices[0]).type
-            devices = [torch.device("cuda", self.local_rank)] if kind == "cuda" else [torch.device(kind)]
-        self._parallel_devices = devices
-
     @property
     @override
     def optimizers(self) -> list[Optimizer]:
@@ -154,46 +99,6 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
                     setattr(lightning_optimizer, name, getattr(wrapped, name))
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = None  # horovodrun / mpirun start the processes
-
-    @override
-    def setup_environment(self) -> None:
-        hvd = self.hvd
-        hvd.init()
-        rank_zero_only.rank = hvd.rank()
-        with validation.reported_on_every_rank(hvd.rank()):
-            # before the first collective: a bad launch can crash or hang in one
-            validation.check_launch(
-                hvd.size(), detect_launcher(), self._requested_devices, strategy_name=self.strategy_name
-            )
-            self._validate_environment()
-        self._agree_on_process_group()
-        super().setup_environment()
-
-    def _validate_environment(self) -> None:
-        """Rules on the launch (controller, world size, topology), checked right after ``hvd.init()``."""
-        hvd = self.hvd
-        validation.check_cpu_operations(
-            mpi_enabled=hvd.mpi_enabled(),
-            cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS"),
-            strategy_name=self.strategy_name,
-        )
-
-    def _agree_on_process_group(self) -> None:
-        """Rank 0 picks the address and port of the ``torch.distributed`` process group; Horovod broadcasts
-        them (:func:`adasum_lightning.horovod_support.agree_on_process_group`, which also sets each rank's
-        node rank).
-
-        Raises:
-            AdasumConfigurationError: on every rank, when the job spans several hosts and the address would be
-                a loopback one; the message names ``MASTER_ADDR``.
-        """
-        environment = self.cluster_environment
-        assert isinstance(environment, HorovodEnvironment)
-        self.num_nodes = agree_on_process_group(self.hvd, environment)
-
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
@@ -228,34 +133,14 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
         """Rules on the optimizers, checked before they are wrapped."""
 
     @override
-    def _auto_lr_factor(self) -> float:
-        return float(self.world_size)
-
-    @override
     def _describe_reduction(self) -> str:
         return f"Horovod {self.reduction} reduction"
 
-    def _named_parameters(self, optimizer: Optimizer, index: int) -> list[tuple[str, Tensor]]:
-        """(name, parameter) for this optimizer's parameters only; names are the allreduce names."""
+    def _wrap_optimizer(self, optimizer: Optimizer, index: int, backward_passes_per_step: int) -> Optimizer:
         assert self.lightning_module is not None
         names = {p: name for name, p in self.lightning_module.named_parameters()}
-        named = []
-        for g, group in enumerate(optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                named.append((names.get(p, f"optimizer{index}.group{g}.param{j}"), p))
-        return named
-
-    def _wrap_optimizer(self, optimizer: Optimizer, index: int, backward_passes_per_step: int) -> Optimizer:
-        hvd = self.hvd
-        compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
-        return hvd.DistributedOptimizer(
-            optimizer,
-            named_parameters=self._named_parameters(optimizer, index),
-            compression=compression,
-            op=getattr(hvd, self.reduction),
-            backward_passes_per_step=backward_passes_per_step,
-            gradient_predivide_factor=self.gradient_predivide_factor,
-        )
+        named = named_parameters(optimizer, index, names)
+        return self._horovod_optimizer(optimizer, named, backward_passes_per_step)
 
     @override
     def optimizer_step(
@@ -349,13 +234,6 @@ class HorovodAdasumStrategy(HorovodStrategy):
         validation.check_gradient_predivide_factor(self.gradient_predivide_factor)
 
     @override
-    def _validate_environment(self) -> None:
-        super()._validate_environment()
-        warning = check_adasum_world(self.hvd, self.root_device.type)
-        if warning:
-            rank_zero_warn(warning)
-
-    @override
     def _validate_trainer(self, trainer: pl.Trainer) -> None:
         super()._validate_trainer(trainer)
         validation.check_precision(self.precision_plugin.precision)
@@ -392,13 +270,6 @@ class HorovodAdasumStrategy(HorovodStrategy):
                         functools.partial(_clamp_on_last_pass, optimizer, clip_value)
                     )
                 )
-
-    @override
-    def _auto_lr_factor(self) -> float:
-        """1 on CPU; ``hvd.local_size()`` on GPU with a NCCL build (``lr_scaling="auto"``)."""
-        hvd = self.hvd
-        on_gpu = self.root_device.type == "cuda"
-        return float(hvd.local_size()) if on_gpu and hvd.nccl_built() else 1.0
 
 
 def _clamp_on_last_pass(optimizer: Optimizer, clip_value: float, param: Tensor) -> None:

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from adasum_lightning.step import adasum_step, broadcast_from_rank_zero, optimizer_parameters, world_size
+from adasum_lightning import validation
+from adasum_lightning.local_sgd import PeriodicSync
+from adasum_lightning.step import broadcast_from_rank_zero, optimizer_parameters, world_size
 from adasum_lightning.validation import identical_gradients_message
 
 __all__ = ["AdasumOptimizer"]
@@ -39,16 +41,28 @@ class AdasumOptimizer(Optimizer):
     Every rank must call ``step()`` the same number of times; a rank that stops stepping leaves the others
     waiting up to ``timeout``.
 
+    Local SGD / DiLoCo (``sync_every=H`` > 1, or an ``outer_optimizer``): ``step()`` is this rank's alone for
+    H steps, then the ranks' pseudo-gradients are combined (:class:`adasum_lightning.local_sgd.PeriodicSync`).
+    Call :meth:`sync` before evaluating or saving mid-window, so that every rank holds θ_sync;
+    ``state_dict()`` then also holds the window's position and the outer optimizer's state
+    (``"adasum_sync"``).
+
     Args:
         optimizer: the optimizer to wrap (any ``torch.optim.Optimizer``).
         process_group: the ranks that combine their updates (default: the default process group).
         timeout: how long one exchange waits for a peer before this rank fails (default: torch's default
             process-group timeout, 30 minutes); see :func:`adasum_lightning.adasum_allreduce`.
+        sync_every: local optimizer steps between syncs (1: every step).
+        combine: ``"adasum"`` or ``"mean"``: how the pseudo-gradients are combined.
+        outer_optimizer: None (θ_sync + combined Δ) or an optimizer over the same parameters that takes
+            −(combined Δ) as the gradient of θ_sync (DiLoCo: Nesterov SGD, lr 0.7, momentum 0.9).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is an ``AdasumOptimizer`` already), or
             ``timeout`` is not a ``timedelta``.
         RuntimeError: ``torch.distributed`` is not initialised; the message names the fix.
+        AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine``, an outer optimizer over other
+            parameters.
     """
 
     #: ``GradScaler.step`` then hands the scale and the inf/NaN flag to :meth:`step` (``grad_scale``,
@@ -60,6 +74,9 @@ class AdasumOptimizer(Optimizer):
         optimizer: Optimizer,
         process_group: dist.ProcessGroup | None = None,
         timeout: timedelta | None = None,
+        sync_every: int = 1,
+        combine: str = "adasum",
+        outer_optimizer: Optimizer | None = None,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -76,6 +93,13 @@ class AdasumOptimizer(Optimizer):
                 f"timeout is a datetime.timedelta, e.g. timedelta(minutes=5); got {timeout!r} "
                 f"({type(timeout).__name__})"
             )
+        validation.check_sync_every(sync_every, combine, "AdasumOptimizer")
+        if outer_optimizer is not None:
+            validation.check_outer_optimizer(
+                "AdasumOptimizer",
+                [id(p) for p in optimizer_parameters(optimizer)],
+                [id(p) for p in optimizer_parameters(outer_optimizer)],
+            )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "AdasumOptimizer needs torch.distributed: call torch.distributed.init_process_group() "
@@ -91,6 +115,8 @@ class AdasumOptimizer(Optimizer):
         self._share_wrapped_state()
         broadcast_from_rank_zero(optimizer_parameters(optimizer), process_group)
         self._gradients_checked = False
+        self._sync_options = (sync_every, combine, outer_optimizer)
+        self._periodic = self._periodic_sync()
 
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
@@ -121,7 +147,17 @@ class AdasumOptimizer(Optimizer):
         if not self._gradients_checked:
             self._gradients_checked = True
             self._warn_if_gradients_identical(params)
-        return adasum_step(params, local_step, self.process_group, self.timeout)
+        return self._periodic.step(local_step)
+
+    def sync(self) -> None:
+        """End the local-SGD window now (every rank at the same step): the ranks' parameters become θ_sync.
+        Nothing to do when every step is combined (``sync_every=1`` without an outer optimizer)."""
+        self._periodic.sync()
+
+    def _periodic_sync(self) -> PeriodicSync:
+        sync_every, combine, outer = self._sync_options
+        params = optimizer_parameters(self.optimizer)
+        return PeriodicSync(params, sync_every, combine, outer, self.process_group, self.timeout)
 
     def _warn_if_gradients_identical(self, params: list[torch.Tensor]) -> None:
         # One all_gather of two float64 numbers per rank (the sum and the sum of squares of the gradients),
@@ -160,15 +196,24 @@ class AdasumOptimizer(Optimizer):
         if self.param_groups is not self.optimizer.param_groups:
             super().add_param_group(param_group)  # Optimizer.__init__ filling the wrapper's own list
             return
+        self._periodic.sync()
         self.optimizer.add_param_group(param_group)
         broadcast_from_rank_zero(self.optimizer.param_groups[-1]["params"], self.process_group)
+        self._periodic = self._periodic_sync()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        if not self._periodic.every_step:
+            state["adasum_sync"] = self._periodic.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        periodic = state_dict.pop("adasum_sync", None)
         self.optimizer.load_state_dict(state_dict)
         self._share_wrapped_state()  # loading replaces the wrapped optimizer's groups and state objects
+        if periodic is not None:
+            self._periodic.load_state_dict(periodic)
 
     def _share_wrapped_state(self) -> None:
         self.param_groups = self.optimizer.param_groups

@@ -3,8 +3,9 @@
 Parts, in order: ``study`` (real processes; ``horovod_adasum``, ``ddp_adasum`` and averaging),
 ``simulated`` (validation + N = 8 … 64), ``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s),
 ``overhead`` (Lightning vs raw Horovod loop), ``loops`` (the three forms of ``ddp_adasum`` — plain loop,
-Fabric, Trainer — and DDP, on the example's CNN and a 57 MB MLP), ``allreduce`` (Adasum vs Average vs
-Sum; ``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
+Fabric, Trainer — and DDP, on the example's CNN and a 57 MB MLP), ``local_sgd_throughput`` (the Trainer's
+``ddp_adasum`` every step and with ``sync_every=10`` beside ``ddp`` on that MLP), ``allreduce`` (Adasum vs
+Average vs Sum; ``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
 (``docs/benchmarks.md`` and its PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum``
 rows, with ``horovod_adasum`` re-run beside them, merged into an existing ``study_real.json``). ``make
 bench`` runs everything with :data:`FULL`; ``make bench-quick`` runs :data:`QUICK` into
@@ -67,6 +68,10 @@ FULL = {
     "loops_models": ["cnn", "mlp"],
     "loops_repeats": 3,
     "loops_steps": {"cnn": 400, "mlp": 40},
+    "local_sgd_throughput_sizes": [2],
+    "local_sgd_throughput_models": ["mlp"],
+    "local_sgd_throughput_repeats": 4,
+    "local_sgd_throughput_steps": {"mlp": 60},
 }
 
 #: ``make bench-quick``: the same pipeline, reduced to fit in under 10 minutes.
@@ -95,9 +100,24 @@ QUICK = {
     "loops_sizes": [2],
     "loops_repeats": 1,
     "loops_steps": {"cnn": 150, "mlp": 20},
+    "local_sgd_throughput_repeats": 1,
+    "local_sgd_throughput_steps": {"mlp": 30},
 }
 
-PARTS = ["study", "simulated", "throughput", "overhead", "loops", "allreduce", "memory", "report"]
+#: The forms the ``local_sgd_throughput`` part compares: every-step Adasum, local SGD (H = 10) and DDP.
+LOCAL_SGD_IMPLS = ("trainer_ddp", "trainer_adasum", "trainer_adasum_sync10")
+
+PARTS = [
+    "study",
+    "simulated",
+    "throughput",
+    "overhead",
+    "loops",
+    "local_sgd_throughput",
+    "allreduce",
+    "memory",
+    "report",
+]
 #: Parts run only when named in ``--only``.
 EXTRA_PARTS = ["study_ddp"]
 
@@ -202,6 +222,8 @@ LOOPS_RATIOS = (
     ("trainer_adasum", "trainer_ddp"),
     ("trainer_adasum_overlap", "trainer_ddp"),
     ("trainer_adasum_overlap", "trainer_adasum"),
+    ("trainer_adasum_sync10", "trainer_ddp"),
+    ("trainer_adasum_sync10", "trainer_adasum"),
     ("trainer_horovod_adasum", "trainer_ddp"),
     ("trainer_adasum", "trainer_horovod_adasum"),
     ("trainer_adasum_iterable", "trainer_adasum"),
@@ -212,24 +234,27 @@ LOOPS_RATIOS = (
 )
 
 
-def loops(cfg: dict, out_dir: Path) -> dict:
+def loops(cfg: dict, out_dir: Path, impls: tuple[str, ...] | None = None, prefix: str = "loops") -> dict:
     """Steps/s of plain DDP, plain Adasum (``AdasumOptimizer``), Fabric ``ddp_adasum``, Trainer ``ddp`` and
-    Trainer ``ddp_adasum`` (``benchmarks/loops.py``), per model and world size, in interleaved rounds: each
-    round runs every form once, the order rotated by one each round, so that a trend in the machine's load
-    hits every form alike. World sizes above the 2 cores are marked ``oversubscribed``."""
+    Trainer ``ddp_adasum`` (``benchmarks/loops.py``; ``impls``: a subset), per model and world size
+    (``cfg[prefix + "_models"]``, ``…_sizes``, ``…_repeats``, ``…_steps``), in interleaved rounds: each round
+    runs every form once, the order rotated by one each round, so that a trend in the machine's load hits
+    every form alike. World sizes above the 2 cores are marked ``oversubscribed``."""
     from benchmarks.loops import IMPLS
 
+    impls = impls or IMPLS
+    ratios = [(a, b) for a, b in LOOPS_RATIOS if a in impls and b in impls]
     runs, jobs = [], []
-    for model in cfg["loops_models"]:
-        for n in cfg["loops_sizes"]:
-            for i in range(cfg["loops_repeats"]):
-                order = IMPLS[i % len(IMPLS) :] + IMPLS[: i % len(IMPLS)]
+    for model in cfg[f"{prefix}_models"]:
+        for n in cfg[f"{prefix}_sizes"]:
+            for i in range(cfg[f"{prefix}_repeats"]):
+                order = impls[i % len(impls) :] + impls[: i % len(impls)]
                 jobs += [(model, n, i, impl) for impl in order]
     for model, n, i, impl in tqdm(jobs, desc="loops", unit="run"):
-        out = out_dir / "runs" / f"loops_{model}_{impl}_n{n}.json"
-        log = logs_for(out_dir) / f"loops_{model}_{impl}_n{n}_r{i}.log"
+        out = out_dir / "runs" / f"{prefix}_{model}_{impl}_n{n}.json"
+        log = logs_for(out_dir) / f"{prefix}_{model}_{impl}_n{n}_r{i}.log"
         args = ["benchmarks.loops", str(out), "--impl", impl, "--model", model,
-                "--steps", str(cfg["loops_steps"][model])]  # fmt: skip
+                "--steps", str(cfg[f"{prefix}_steps"][model])]  # fmt: skip
         load = os.getloadavg()
         if impl.startswith("plain"):
             wall, command = torchrun(n, args, log=log), command_line(n, args, "torchrun")
@@ -242,11 +267,11 @@ def loops(cfg: dict, out_dir: Path) -> dict:
                   "oversubscribed": n > (os.cpu_count() or 1)}  # fmt: skip
         runs.append({**json.loads(out.read_text()), **record})
     summary = []
-    for model in cfg["loops_models"]:
-        for n in cfg["loops_sizes"]:
+    for model in cfg[f"{prefix}_models"]:
+        for n in cfg[f"{prefix}_sizes"]:
             these = [r for r in runs if r["model"] == model and r["world_size"] == n]
             row = {"model": model, "np": n, "oversubscribed": these[0]["oversubscribed"]}
-            for impl in IMPLS:
+            for impl in impls:
                 mine = [r for r in these if r["impl"] == impl]
                 row[impl] = {
                     "steps_per_s": [r["steps_per_s"] for r in mine],
@@ -255,8 +280,11 @@ def loops(cfg: dict, out_dir: Path) -> dict:
                         r["reduction_ms_per_step"] for r in mine
                     ),
                     "peak_rss_mb_max": max(max(r["peak_rss_mb_per_rank"]) for r in mine),
+                    "reduced_bytes_per_sample_median": statistics.median(
+                        r.get("reduced_bytes_per_sample", 0) for r in mine
+                    ),
                 }
-            for num, den in LOOPS_RATIOS:
+            for num, den in ratios:
                 per_round = [
                     a["steps_per_s"] / b["steps_per_s"]
                     for a in these if a["impl"] == num
@@ -403,6 +431,11 @@ def main() -> None:
         start = time.perf_counter()
         save("loops", {"config": cfg, **loops(cfg, out_dir)})
         timings["loops"] = time.perf_counter() - start
+    if "local_sgd_throughput" in parts:
+        start = time.perf_counter()
+        result = loops(cfg, out_dir, LOCAL_SGD_IMPLS, prefix="local_sgd_throughput")
+        save("local_sgd_throughput", {"config": cfg, **result})
+        timings["local_sgd_throughput"] = time.perf_counter() - start
     if "allreduce" in parts:
         start = time.perf_counter()
         save("allreduce", {"config": cfg, **allreduce(cfg, out_dir)})

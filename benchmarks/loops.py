@@ -13,6 +13,8 @@
 - ``trainer_adasum``: ``Trainer(strategy="ddp_adasum", devices=N)`` (Lightning's launcher);
 - ``trainer_adasum_overlap``: ``Trainer(strategy=DDPAdasumStrategy(overlap_backward=True))``: bucket by
   bucket during backward;
+- ``trainer_adasum_sync10``: ``Trainer(strategy=DDPAdasumStrategy(sync_every=10))``: local SGD, the Adasum
+  of the pseudo-gradients every 10 steps;
 - ``trainer_horovod_adasum``: ``Trainer(strategy="horovod_adasum")`` under ``horovodrun -np N`` (Horovod's
   Adasum optimizer, which steps and reduces parameter by parameter during backward; no reduction time);
 - ``trainer_adasum_iterable``: the same with an ``IterableDataset`` (equal shards): the uneven-inputs
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
+import adasum_lightning.local_sgd
 import adasum_lightning.step
 from adasum_lightning.step import BackwardAdasumStep
 from examples.mnist_torch import MNISTCNN
@@ -60,6 +63,7 @@ IMPLS = (
     "trainer_ddp",
     "trainer_adasum",
     "trainer_adasum_overlap",
+    "trainer_adasum_sync10",
     "trainer_horovod_adasum",
     "trainer_adasum_iterable",
 )
@@ -99,13 +103,18 @@ class ReductionTimer:
 
     def __init__(self) -> None:
         self.seconds, self.on = 0.0, False
+        #: Bytes handed to the Adasum allreduce while ``on`` (each rank sends about as many).
+        self.bytes = 0
         self._wrap(adasum_lightning.step, "adasum_allreduce_flat")
+        self._wrap(adasum_lightning.local_sgd, "adasum_allreduce_flat")
         self._wrap(BackwardAdasumStep, "finish")
 
     def _wrap(self, owner: object, name: str) -> None:
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            if self.on and args and isinstance(args[0], torch.Tensor):
+                self.bytes += args[0].numel() * args[0].element_size()
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
@@ -215,6 +224,7 @@ def trainer_loop(impl: str, model_name: str, steps: int, devices: int, clock: St
     strategy = {
         "trainer_ddp": "ddp",
         "trainer_adasum_overlap": DDPAdasumStrategy(overlap_backward=True),
+        "trainer_adasum_sync10": DDPAdasumStrategy(sync_every=10),
         "trainer_horovod_adasum": "horovod_adasum",
     }
     pl.seed_everything(0, verbose=False)
@@ -273,6 +283,7 @@ def main() -> None:
             "seconds": mine["seconds"],
             "steps_per_s": clock.steps / mine["seconds"],
             "reduction_ms_per_step": 1e3 * mine["reduction_seconds"] / clock.steps,
+            "reduced_bytes_per_sample": reduction.bytes / (clock.steps * BATCH),
             "cpu_ms_per_step_per_rank": [1e3 * r["cpu_seconds"] / clock.steps for r in per_rank],
             "peak_rss_mb_per_rank": [r["peak_rss_kb"] / 1024 for r in per_rank],
             "batch_size": BATCH,

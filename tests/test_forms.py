@@ -178,6 +178,114 @@ def test_plain_loop_equals_the_reference_adasum_of_every_ranks_local_step(cases)
     assert_one_step_is_the_adasum_of_local_deltas(ranks, deltas)
 
 
+LOCAL_SGD_OPTIONS = ("--sync-every", "3", "--momentum", "0.9")
+LOCAL_SGD = {
+    ("adasum", 0.0): forms("forms-local-sgd-adasum", 2, *LOCAL_SGD_OPTIONS),
+    ("mean", 0.7): forms(
+        "forms-local-sgd-mean-outer", 2, *LOCAL_SGD_OPTIONS, "--combine", "mean", "--outer-lr", "0.7"
+    ),  # fmt: skip
+}
+LOCAL_SGD_PLAIN = {
+    ("adasum", 0.35): form(
+        "forms-local-sgd-adasum-outer", "plain", 2, *LOCAL_SGD_OPTIONS, "--outer-lr", "0.35"
+    ),
+    ("mean", 0.0): form("forms-local-sgd-mean", "plain", 2, *LOCAL_SGD_OPTIONS, "--combine", "mean"),
+}
+
+
+@pytest.mark.parametrize(
+    "key",
+    [pytest.param(k, marks=pytest.mark.cases(*c), id=f"{k[0]}-outer{k[1]}") for k, c in LOCAL_SGD.items()],
+)
+def test_local_sgd_trains_the_same_parameters_in_the_three_forms(key, cases):
+    plain = three_forms(cases, LOCAL_SGD[key])
+    assert plain[0]["steps"] == 16
+
+
+def local_sgd_reference(start: dict, rank_batches: list, sync_every: int, combine: str, outer_lr: float):
+    """The algorithm written out in one process: each worker's parameters after each of its steps."""
+    from adasum_lightning.ops import adasum_reduce
+    from tests.workers.samples import tiny_net
+
+    models = [tiny_net() for _ in rank_batches]
+    for m in models:
+        m.load_state_dict(start)
+    inner = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    synced = [p.detach().clone() for p in models[0].parameters()]
+    outer_params = [torch.nn.Parameter(s.clone()) for s in synced]
+    outer = torch.optim.SGD(outer_params, lr=outer_lr or 1.0, momentum=0.9, nesterov=True)
+    steps = len(rank_batches[0])
+    trace: list[list[torch.Tensor]] = [[] for _ in models]
+
+    def sync() -> None:
+        params = [list(m.parameters()) for m in models]
+        for i, s in enumerate(synced):
+            deltas = [worker[i].detach() - s for worker in params]
+            combined = adasum_reduce(deltas) if combine == "adasum" else (deltas[0] + deltas[1]) / 2
+            if outer_lr:
+                outer_params[i].data.copy_(s)
+                outer_params[i].grad = -combined
+            else:
+                s.add_(combined)
+        if outer_lr:
+            outer.step()
+            for s, o in zip(synced, outer_params, strict=True):
+                s.copy_(o.detach())
+        with torch.no_grad():
+            for worker in params:
+                for p, s in zip(worker, synced, strict=True):
+                    p.copy_(s)
+
+    for k in range(steps):
+        for m, opt, batches in zip(models, inner, rank_batches, strict=True):
+            x, y = batches[k]
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if (k + 1) % sync_every == 0:
+            sync()
+        for r, m in enumerate(models):
+            trace[r].append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
+    sync()  # the window the end of training cuts short
+    return trace, torch.cat([s.reshape(-1) for s in synced])
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param(
+            k, marks=pytest.mark.cases(c[0] if isinstance(c, tuple) else c), id=f"{k[0]}-outer{k[1]}"
+        )
+        for k, c in {**LOCAL_SGD, **LOCAL_SGD_PLAIN}.items()
+    ],
+)
+def test_local_sgd_equals_the_algorithm_written_out_and_ranks_agree_only_at_syncs(key, cases):
+    # 2 workers, 16 steps, sync every 3 (and at the end): per-worker momentum, the pseudo-gradients combined
+    # by Adasum (ops.adasum_reduce) or their mean, applied directly or by an outer Nesterov SGD step.
+    declared = {**LOCAL_SGD, **LOCAL_SGD_PLAIN}[key]
+    ranks = cases[declared[0] if isinstance(declared, tuple) else declared].ranks
+    data = IndexedData(64)
+    rank_batches = []
+    for r in range(2):
+        sampler = torch.utils.data.DistributedSampler(data, 2, r, shuffle=True, seed=100)
+        batches = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            indices = list(sampler)
+            batches += [(data.x[indices[i : i + 4]], data.y[indices[i : i + 4]]) for i in range(0, 32, 4)]
+        rank_batches.append(batches)
+    reference, end = local_sgd_reference(ranks[0]["start"], rank_batches, 3, *key)
+    for r, res in enumerate(ranks):
+        assert len(res["trace"]) == 16
+        for k, (got, want) in enumerate(zip(res["trace"], reference[r], strict=True)):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (key, r, k, (got - want).abs().max())
+        got_end = torch.cat([t.reshape(-1) for t in res["end"].values()])
+        assert torch.allclose(got_end, end, rtol=1e-5, atol=1e-6), (key, r, (got_end - end).abs().max())
+    for k in range(16):
+        same = torch.equal(ranks[0]["trace"][k], ranks[1]["trace"][k])
+        assert same == ((k + 1) % 3 == 0), (key, k)  # different inside a window, identical at each sync
+
+
 SAVE_LOAD = form("forms-save-load", "fabric", 2, "--epochs", "1", "--save-load")
 
 

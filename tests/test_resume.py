@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES
 from adasum_lightning.trainer._base import RANK_OPTIMIZER_STATES, rank_optimizer_path
 from adasum_lightning.validation import scaled_learning_rate_message
 from tests.cases import Launch, case
@@ -44,10 +45,10 @@ def assert_same_state(a: dict, b: dict, what: str) -> None:
 
 
 # ---------------------------------------------------------------- same world size: whole = first + resumed
-def stop_and_resume(strategy: str, optimizer: str):
+def stop_and_resume(strategy: str, optimizer: str, *extra: str):
     lr = "0.05" if optimizer == "sgd" else "0.01"
-    options = ("--optimizer", optimizer, "--lr", lr, "--momentum", "0.9")
-    name = f"resume-{strategy}-{optimizer}"
+    options = ("--optimizer", optimizer, "--lr", lr, "--momentum", "0.9", *extra)
+    name = f"resume-{strategy}-{optimizer}" + "".join(extra).replace("--", "-")
     return (
         fit(f"{name}-whole", strategy, 2, "--epochs", "2", *options),
         fit(f"{name}-first", strategy, 2, "--epochs", "1", *options),
@@ -60,6 +61,9 @@ STOP_AND_RESUME = {
     (s, o): stop_and_resume(s, o)
     for s, o in [("ddp_adasum", "sgd"), ("ddp_adasum", "adam"), ("horovod_adasum", "sgd"), ("horovod", "sgd")]
 }
+# local SGD with an outer Nesterov SGD, 3 steps a window: the epoch's checkpoint (step 8) ends a window early
+LOCAL_SGD = ("--sync-every", "3", "--outer-lr", "0.5")
+STOP_AND_RESUME["ddp_adasum", "sgd-local-sgd"] = stop_and_resume("ddp_adasum", "sgd", *LOCAL_SGD)
 
 
 @pytest.mark.parametrize(
@@ -72,6 +76,10 @@ STOP_AND_RESUME = {
 def test_stop_and_resume_at_an_epoch_boundary_equals_an_uninterrupted_run(strategy, optimizer, cases):
     whole, first, resumed = (cases[c] for c in STOP_AND_RESUME[strategy, optimizer])
     ckpt = checkpoint_of(first.out)
+    if optimizer.endswith("local-sgd"):  # the window's position and the outer momentum, saved and restored
+        (state,) = torch.load(ckpt, weights_only=False)[PERIODIC_SYNC_STATES]
+        assert state["steps"] == 0 and state["synced"] is None
+        assert state["outer_optimizer"]["state"][0]["momentum_buffer"].abs().sum() > 0
     assert Path(rank_optimizer_path(ckpt, 1)).is_file()
     assert torch.load(ckpt, weights_only=False)[RANK_OPTIMIZER_STATES]["world_size"] == 2
     for r in range(2):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -13,13 +13,20 @@ from lightning_fabric.accelerators import Accelerator
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning_fabric.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
-from torch.nn import Module, SyncBatchNorm
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
+from adasum_lightning._strategy_parts import (
+    check_launcher_world_size,
+    prepare_unwrapped_module,
+    register,
+    sampler_seed,
+)
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.step import adasum_step, broadcast_from_rank_zero, optimizer_parameters
+from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES, PeriodicSync
+from adasum_lightning.step import optimizer_parameters
 from adasum_lightning.validation import reported_on_every_rank
 
 from . import _compat
@@ -50,6 +57,9 @@ class DDPAdasumStrategy(DDPStrategy):
         timeout: how long a collective may wait for the other ranks before this rank fails (default 30 min).
         start_method: how ``fabric.launch()`` starts the processes (``"popen"``, ``"spawn"``, ``"fork"``,
             ``"forkserver"``), as for ``DDPStrategy``.
+        sync_every, combine, outer_optimizer: local SGD / DiLoCo, as for the Trainer's ``ddp_adasum``; a
+            window ends early at ``fabric.save``. Call ``fabric.strategy.end_windows()`` (every rank) before
+            evaluating mid-window.
 
     Raises:
         AdasumConfigurationError: on every rank, before the first step — a launcher ``WORLD_SIZE`` that
@@ -69,6 +79,9 @@ class DDPAdasumStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        sync_every: int = 1,
+        combine: str = "adasum",
+        outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -81,49 +94,31 @@ class DDPAdasumStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _LocalGradientsSyncControl()
+        validation.check_sync_every(sync_every, combine, self.strategy_name)
+        self.sync_every = sync_every
+        self.combine = combine
+        self.outer_optimizer = outer_optimizer
+        self._periodic: dict[int, PeriodicSync] = {}  # per optimizer (by id), in the order of first steps
+        self._restored_periodic: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------------------------------ properties
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """DDPStrategy's, with one shuffling seed for all ranks: rank 0's ``seed_everything`` seed.
-
-        Fabric seeds the ``DistributedSampler`` from each rank's own ``PL_GLOBAL_SEED``; ranks seeded
-        differently (a common way to vary dropout or augmentation) would shard with different permutations,
-        overlapping. Read when ``fabric.setup_dataloaders`` runs, which every rank calls (a broadcast).
-        """
-        seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", 0)), src=0)
-        return {**super().distributed_sampler_kwargs, "seed": seed}
+        """DDPStrategy's, with rank 0's ``seed_everything`` seed for every rank (read, a broadcast, when
+        ``fabric.setup_dataloaders`` runs on every rank)."""
+        return {**super().distributed_sampler_kwargs, "seed": sampler_seed(self)}
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
-        environment = self.cluster_environment
-        launched_outside = environment is not None and environment.creates_processes_externally
-        if launched_outside and os.environ.get("WORLD_SIZE", "").isdigit():
-            with reported_on_every_rank(self.global_rank):
-                # before the rendezvous, which a mismatch would leave waiting
-                validation.check_launcher_world_size(
-                    int(os.environ["WORLD_SIZE"]),
-                    self.num_processes,
-                    self.num_nodes,
-                    api="Fabric",
-                    strategy_name=self.strategy_name,
-                )
+        check_launcher_world_size(self, api="Fabric")
         super().setup_environment()
 
     @override
     def setup_module(self, module: Module) -> Module:
         """Give every rank the first rank's parameters and buffers; no ``DistributedDataParallel`` wrapper."""
-        with reported_on_every_rank(self.global_rank):
-            validation.check_module_unwrapped(self.strategy_name, isinstance(module, DistributedDataParallel))
-            validation.check_single_device(self.strategy_name, [*module.parameters(), *module.buffers()])
-            sync_layers = [name for name, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
-            validation.check_sync_batchnorm(self.root_device.type, False, sync_layers, self.strategy_name)
-        for param in module.parameters():
-            if not param.data.is_contiguous():
-                param.data = param.data.contiguous()  # the reduction works on parameters in place
-        broadcast_from_rank_zero([*module.parameters(), *module.buffers()])
+        prepare_unwrapped_module(self, module)
         return module
 
     @override
@@ -136,16 +131,64 @@ class DDPAdasumStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Fabric's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
         local_step = functools.partial(super().optimizer_step, optimizer, **kwargs)
-        return adasum_step(
-            optimizer_parameters(optimizer), local_step, timeout=_compat.process_group_timeout(self)
-        )
+        return self._periodic_sync(optimizer).step(local_step)
+
+    def _periodic_sync(self, optimizer: Optimizer) -> PeriodicSync:
+        built = self._periodic.get(id(optimizer))
+        if built is not None:
+            return built
+        params = optimizer_parameters(optimizer)
+        outer = None
+        if self.outer_optimizer is not None:
+            outer = self.outer_optimizer(params)
+            with reported_on_every_rank(self.global_rank):
+                validation.check_outer_optimizer(
+                    self.strategy_name, [id(p) for p in params], [id(p) for p in optimizer_parameters(outer)]
+                )
+        timeout = _compat.process_group_timeout(self)
+        built = PeriodicSync(params, self.sync_every, self.combine, outer, timeout=timeout)
+        if len(self._restored_periodic) > len(self._periodic):
+            built.load_state_dict(self._restored_periodic[len(self._periodic)])
+        self._periodic[id(optimizer)] = built
+        return built
+
+    def end_windows(self) -> None:
+        """Sync every optimizer's parameters now (every rank calls it): the ranks then hold θ_sync."""
+        for periodic in self._periodic.values():
+            periodic.sync()
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """End the windows (the checkpoint holds the synced parameters), then Fabric's save; the windows'
+        positions and outer optimizer states go under ``"adasum_periodic_sync_states"``."""
+        self.end_windows()
+        if self._periodic:
+            states = [{**p.state_dict(), "synced": None} for p in self._periodic.values()]
+            state = {**state, PERIODIC_SYNC_STATES: states}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Fabric's load; the windows restore their positions and outer states at their first steps."""
+        remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
+        if isinstance(remainder, dict) and PERIODIC_SYNC_STATES in remainder:
+            self._restored_periodic = remainder.pop(PERIODIC_SYNC_STATES)
+            self._periodic.clear()
+        return remainder
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0], override=True
-        )
+        register(strategy_registry, cls)
 
 
 class _LocalGradientsSyncControl(_compat.BackwardSyncControl):

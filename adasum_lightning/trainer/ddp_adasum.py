@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -23,13 +22,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
+from adasum_lightning._strategy_parts import check_launcher_world_size
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.step import (
-    PER_PARAMETER_OPTIMIZERS,
-    BackwardAdasumStep,
-    adasum_step,
-    optimizer_parameters,
-)
+from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES, PeriodicSync
+from adasum_lightning.step import PER_PARAMETER_OPTIMIZERS, BackwardAdasumStep, optimizer_parameters
 
 from . import _compat
 from ._base import UpdateReducingDDPStrategy
@@ -88,9 +84,18 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         overlap_backward: step and reduce bucket by bucket during the backward pass (see above).
         bucket_cap_mb: ``overlap_backward``'s bucket size in MiB: a bucket is closed once it holds this much
             or more (as DDP's ``bucket_cap_mb``).
+        sync_every: local optimizer steps between syncs (local SGD, DiLoCo: :mod:`adasum_lightning.local_sgd`;
+            1: every step). A window ends early where Lightning validates, saves a checkpoint or ends
+            ``fit``, so that the ranks are identical there.
+        combine: ``"adasum"`` or ``"mean"``: how the ranks' pseudo-gradients are combined.
+        outer_optimizer: None (θ_sync + combined Δ), or a callable that builds the outer optimizer from an
+            optimizer's parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
+            nesterov=True)`` (DiLoCo's).
 
     Raises:
         ValueError: an invalid ``lr_scaling``, ``uneven_inputs``, ``overlap_backward`` or ``bucket_cap_mb``.
+        AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine``, ``overlap_backward`` with local
+            SGD; at the first step, an outer optimizer over other parameters.
     """
 
     strategy_name = "ddp_adasum"
@@ -109,6 +114,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         uneven_inputs: str = "truncate",
         overlap_backward: bool = False,
         bucket_cap_mb: float = 25,
+        sync_every: int = 1,
+        combine: str = "adasum",
+        outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -123,8 +131,17 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             uneven_inputs=uneven_inputs,
         )
         validation.check_overlap_backward(overlap_backward, bucket_cap_mb, self.strategy_name)
+        validation.check_sync_every(
+            sync_every, combine, self.strategy_name, overlap_backward, outer_optimizer is not None
+        )
         self.overlap_backward = overlap_backward
         self.bucket_cap_mb = bucket_cap_mb
+        self.sync_every = sync_every
+        self.combine = combine
+        self.outer_optimizer = outer_optimizer
+        # per optimizer (by id): its local-SGD windows; the checkpoint's states until they are built
+        self._periodic: dict[int, PeriodicSync] = {}
+        self._restored_periodic: list[dict[str, Any]] | None = None
         self._overlap_group: dist.ProcessGroup | None = None
         # per optimizer (by id): its bucketed step, or None (the whole step)
         self._backward_steps: dict[int, BackwardAdasumStep | None] = {}
@@ -132,17 +149,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
-        environment = self.cluster_environment
-        launched_outside = environment is not None and environment.creates_processes_externally
-        if launched_outside and os.environ.get("WORLD_SIZE", "").isdigit():
-            with validation.reported_on_every_rank(self.global_rank):
-                # before the rendezvous, which a mismatch would leave waiting
-                validation.check_launcher_world_size(
-                    int(os.environ["WORLD_SIZE"]),
-                    self.num_processes,
-                    self.num_nodes,
-                    strategy_name=self.strategy_name,
-                )
+        check_launcher_world_size(self, api="Trainer")
         super().setup_environment()
 
     @override
@@ -183,10 +190,35 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             backward_step.finish()
         else:
             local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
-            params = optimizer_parameters(local_optimizer)
-            output = adasum_step(params, local_step, timeout=_compat.process_group_timeout(self))
+            output = self._periodic_sync(local_optimizer).step(local_step)
         self._deliver_pending_sigterm()
         return output
+
+    def _periodic_sync(self, optimizer: Optimizer) -> PeriodicSync:
+        """``optimizer``'s windows, built at its first step (after the broadcast and a checkpoint restore)."""
+        built = self._periodic.get(id(optimizer))
+        if built is not None:
+            return built
+        params = optimizer_parameters(optimizer)
+        outer = None
+        if self.outer_optimizer is not None:
+            outer = self.outer_optimizer(params)
+            with validation.reported_on_every_rank(self.global_rank):
+                validation.check_outer_optimizer(
+                    self.strategy_name, [id(p) for p in params], [id(p) for p in optimizer_parameters(outer)]
+                )
+        timeout = _compat.process_group_timeout(self)
+        built = PeriodicSync(params, self.sync_every, self.combine, outer, timeout=timeout)
+        index = [_compat.unwrap_lightning_optimizer(o) for o in self.optimizers].index(optimizer)
+        if self._restored_periodic is not None and index < len(self._restored_periodic):
+            built.load_state_dict(self._restored_periodic[index])
+        self._periodic[id(optimizer)] = built
+        return built
+
+    def _end_windows(self) -> None:
+        """Sync every optimizer's parameters now (a collective): Lightning evaluates or saves them next."""
+        for periodic in self._periodic.values():
+            periodic.sync()
 
     def _backward_step(self, optimizer: Optimizer) -> BackwardAdasumStep | None:
         """``optimizer``'s bucketed step (built at its first step, again when its trainable parameters
@@ -253,6 +285,42 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             before_step_hooks=hooks,
         )
 
+    # ------------------------------------------------------------------------------------------ windows
+    @override
+    def on_validation_start(self) -> None:
+        self._end_windows()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._end_windows()
+        super().on_train_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._end_windows()  # a checkpoint holds the synced parameters, the same on every rank
+        return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """The checkpoint also records each optimizer's window position and outer optimizer state."""
+        if self._periodic and "optimizer_states" in checkpoint:
+            states = []
+            for optimizer in self.optimizers:
+                built = self._periodic.get(id(_compat.unwrap_lightning_optimizer(optimizer)))
+                state = built.state_dict() if built is not None else {"steps": 0, "outer_optimizer": None}
+                states.append({**state, "synced": None})  # the parameters themselves, after the sync
+            checkpoint = {**checkpoint, PERIODIC_SYNC_STATES: states}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self._restored_periodic = checkpoint.get(PERIODIC_SYNC_STATES)
+        self._periodic.clear()
+        super().load_optimizer_state_dict(checkpoint)
+
     # ------------------------------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
@@ -261,6 +329,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             if built is not None:
                 built.close()
         self._backward_steps.clear()
+        self._periodic.clear()
         if self._overlap_group is not None:
             dist.destroy_process_group(self._overlap_group)
             self._overlap_group = None

@@ -7,13 +7,14 @@ Lightning starts the other processes).
 """
 
 import argparse
+import functools
 import os
 from pathlib import Path
 
 import torch
 
 from tests.workers import cases
-from tests.workers.lightning import HorovodAdasumStrategy, pl
+from tests.workers.lightning import DDPAdasumStrategy, HorovodAdasumStrategy, pl
 from tests.workers.tiny import MODULES
 
 p = argparse.ArgumentParser()
@@ -42,6 +43,8 @@ p.add_argument("--zero-loss-rank", type=int, default=-1)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-at-step", type=int, default=-1)
 p.add_argument("--lr-find", action="store_true", help="Tuner.lr_find first, then fit with its suggestion")
+p.add_argument("--sync-every", type=int, default=1, help="ddp_adasum: local SGD, steps between syncs")
+p.add_argument("--outer-lr", type=float, default=0.0, help="> 0: an outer Nesterov SGD (momentum 0.9)")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 
@@ -73,6 +76,9 @@ def fp16_plugin():
 
 if args.compression != "none":
     strategy = HorovodAdasumStrategy(compression=args.compression)
+if args.sync_every > 1 or args.outer_lr:
+    outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True)
+    strategy = DDPAdasumStrategy(sync_every=args.sync_every, outer_optimizer=outer if args.outer_lr else None)
 trainer = pl.Trainer(
     strategy=strategy,
     accelerator="cpu",

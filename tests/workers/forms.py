@@ -53,6 +53,9 @@ p.add_argument("--inf-rank", type=int, default=-1)
 p.add_argument("--inf-step", type=int, default=-1)
 p.add_argument("--save-load", action="store_true", help="fabric: save at the end, load into fresh objects")
 p.add_argument("--ddp-wrapped", action="store_true", help="the model wrapped in DistributedDataParallel")
+p.add_argument("--sync-every", type=int, default=1, help="local SGD: optimizer steps between syncs")
+p.add_argument("--combine", default="adasum", choices=("adasum", "mean"))
+p.add_argument("--outer-lr", type=float, default=0.0, help="> 0: an outer Nesterov SGD (momentum 0.9)")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -68,6 +71,16 @@ def make_optimizer(params):
     if args.optimizer == "adam":
         return torch.optim.Adam(params, lr=args.lr)
     return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+
+
+def local_sgd() -> dict:
+    """The local-SGD arguments of AdasumOptimizer and of the strategies (empty: every step)."""
+    if args.sync_every == 1 and args.combine == "adasum" and not args.outer_lr:
+        return {}
+    outer = None
+    if args.outer_lr:
+        outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True)
+    return {"sync_every": args.sync_every, "combine": args.combine, "outer_optimizer": outer}
 
 
 def dataset() -> IndexedData:
@@ -113,7 +126,11 @@ def run_plain() -> None:
     model = tiny_net()
     # what a DDP script becomes when only its optimizer is changed: the wrapper averages the gradients
     net = torch.nn.parallel.DistributedDataParallel(model) if args.ddp_wrapped else model
-    optimizer = AdasumOptimizer(make_optimizer(net.parameters()))
+    options = local_sgd()
+    if options.get("outer_optimizer") is not None:
+        options["outer_optimizer"] = options["outer_optimizer"](net.parameters())
+    optimizer = AdasumOptimizer(make_optimizer(net.parameters()), **options)
+    trace = []  # this rank's parameters after every step
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}  # rank 0's, after the broadcast
     with warnings.catch_warnings(record=True) as warned:  # AdasumOptimizer's, on this rank
         warnings.simplefilter("always")
@@ -145,9 +162,11 @@ def run_plain() -> None:
                     scaler.update()
                     optimizer.zero_grad()
                     step += 1
+                    trace.append(torch.cat([q.detach().reshape(-1) for q in model.parameters()]))
+    optimizer.sync()  # the Trainer's and Fabric's windows end with fit / at the save
     lightning = sorted(m for m in ("lightning", "pytorch_lightning", "lightning_fabric") if m in sys.modules)
     save(rank, model, optimizer, world_size=world, steps=step, lightning_imported=lightning, start=start,
-         first_batch=first_batch, warned=[str(w.message) for w in warned])  # fmt: skip
+         first_batch=first_batch, warned=[str(w.message) for w in warned], trace=trace)  # fmt: skip
     cases.destroy_process_group()
 
 
@@ -161,13 +180,13 @@ def run_fabric() -> None:
     if args.fp16_scaler:  # on CPU Fabric turns "16-mixed" into bf16-mixed; the plugin keeps fp16 and a scaler
         plugins = [precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
     strategy = "ddp_adasum"
-    if args.fabric_instance:
+    if args.fabric_instance or local_sgd():
         copy = (
             "adasum_lightning.fabric"
             if args.fabric_package == "lightning_fabric"
             else "adasum_lightning.lightning.fabric"
         )
-        strategy = importlib.import_module(copy).DDPAdasumStrategy()
+        strategy = importlib.import_module(copy).DDPAdasumStrategy(**local_sgd())
     fabric = fabric_module.Fabric(
         accelerator="cpu", devices=args.devices, strategy=strategy, plugins=plugins,
         precision="bf16-mixed" if args.bf16 else None,
@@ -202,6 +221,7 @@ def run_fabric() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 step += 1
+    fabric.strategy.end_windows()
     extra = {
         "world_size": fabric.world_size,
         "steps": step,
@@ -230,7 +250,7 @@ def run_fabric() -> None:
 
 
 def run_trainer() -> None:
-    from tests.workers.lightning import pl
+    from tests.workers.lightning import DDPAdasumStrategy, pl
     from tests.workers.tiny import TinyModule
 
     pl.seed_everything(100 + START_RANK)
@@ -240,7 +260,7 @@ def run_trainer() -> None:
     if args.fp16_scaler:
         plugins = [pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
     trainer = pl.Trainer(
-        strategy="ddp_adasum",
+        strategy=DDPAdasumStrategy(**local_sgd()) if local_sgd() else "ddp_adasum",
         accelerator="cpu",
         devices=args.devices,
         max_epochs=args.epochs,

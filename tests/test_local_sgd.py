@@ -1,0 +1,155 @@
+"""Local SGD / DiLoCo (``sync_every``, ``combine``, ``outer_optimizer``): the rules and their refusals, and
+the window arithmetic at world size 1. The multi-rank runs are cases of the forms' launches
+(``tests/test_forms.py``: the three forms agree, and equal the algorithm written out in one process)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from adasum_lightning import AdasumOptimizer
+from adasum_lightning.local_sgd import PeriodicSync
+from adasum_lightning.validation import AdasumConfigurationError, check_outer_optimizer, check_sync_every
+from tests.workers.lightning import PACKAGE, DDPAdasumStrategy
+
+#: This project's Fabric strategies for the Lightning package under test.
+FABRIC = "adasum_lightning.fabric" if PACKAGE == "pytorch_lightning" else "adasum_lightning.lightning.fabric"
+
+
+@pytest.mark.parametrize(
+    ("sync_every", "combine", "overlap", "message"),
+    [
+        (
+            0,
+            "adasum",
+            False,
+            "sync_every is the number of local optimizer steps between syncs, a whole number ≥ 1",
+        ),
+        (2.5, "adasum", False, "a whole number ≥ 1 (1: combine every step), got 2.5"),
+        (True, "adasum", False, "got True"),
+        (
+            4,
+            "sum",
+            False,
+            "combine is 'adasum' (orthogonal pseudo-gradients add, parallel ones average) or 'mean'",
+        ),
+        (4, "adasum", True, "during backward, which sync_every=4 does not: pass overlap_backward=False"),
+        (1, "mean", True, "which combine='mean' does not: pass overlap_backward=False with local SGD"),
+    ],
+)
+def test_sync_every_rule_names_the_accepted_values(sync_every, combine, overlap, message):
+    with pytest.raises(AdasumConfigurationError, match="^ddp_adasum") as info:
+        check_sync_every(sync_every, combine, "ddp_adasum", overlap)
+    assert message in str(info.value)
+    check_sync_every(1, "adasum", "ddp_adasum", True)  # every step by Adasum may overlap backward
+    with pytest.raises(AdasumConfigurationError, match="which an outer optimizer does not"):
+        check_sync_every(1, "adasum", "ddp_adasum", True, outer_optimizer=True)
+
+
+def test_outer_optimizer_rule_counts_the_parameters_that_differ():
+    check_outer_optimizer("x", [1, 2, 3], [3, 2, 1])
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_outer_optimizer("AdasumOptimizer", [1, 2, 3], [1, 4])
+    assert str(info.value).startswith(
+        "AdasumOptimizer: the outer optimizer must step the same parameters as the inner one (2 of the inner "
+        "optimizer's parameters missing, 1 others)"
+    )
+
+
+def test_strategies_refuse_local_sgd_settings_when_built():
+    with pytest.raises(AdasumConfigurationError, match="sync_every is the number"):
+        DDPAdasumStrategy(sync_every=0)
+    with pytest.raises(AdasumConfigurationError, match="pass overlap_backward=False with local SGD"):
+        DDPAdasumStrategy(overlap_backward=True, sync_every=10)
+    fabric = importlib.import_module(FABRIC)
+    with pytest.raises(AdasumConfigurationError, match="combine is 'adasum'"):
+        fabric.DDPAdasumStrategy(combine="median")
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_adasum_optimizer_refuses_an_outer_optimizer_over_other_parameters(one_process_group):
+    model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    with pytest.raises(AdasumConfigurationError, match=r"\(0 of the inner optimizer's parameters missing, 2"):
+        AdasumOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            sync_every=4,
+            outer_optimizer=torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.7),
+        )
+
+
+def _train(optimizer_for, steps: int) -> tuple[torch.nn.Linear, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = optimizer_for(model)
+    x = torch.randn(steps, 5, 3)
+    for k in range(steps):
+        model(x[k]).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def test_a_window_at_world_size_one_is_an_outer_step_on_the_summed_local_updates(one_process_group):
+    # H = 3 inner SGD steps, then the outer SGD (no momentum, lr 0.5) steps θ_sync by 0.5 × (θ_local − θ_sync)
+    def adasum(model):
+        outer = torch.optim.SGD(model.parameters(), lr=0.5)
+        return AdasumOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), sync_every=3, outer_optimizer=outer
+        )
+
+    model, optimizer = _train(adasum, 3)
+    plain, _ = _train(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 3)
+    torch.manual_seed(0)
+    start = torch.nn.Linear(3, 2)
+    for p, local, p0 in zip(model.parameters(), plain.parameters(), start.parameters(), strict=True):
+        assert torch.allclose(p, p0 + 0.5 * (local - p0), atol=1e-7)
+        assert p.grad is None  # the outer step's gradient is not left behind
+    state = optimizer.state_dict()["adasum_sync"]
+    assert state["steps"] == 0 and len(state["synced"]) == 2
+
+
+def test_window_position_and_outer_state_resume_exactly(one_process_group):
+    # 5 steps with H = 3 (mid-window), saved, loaded into fresh objects, 4 more: equal to 9 steps at once
+    def make(model):
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return AdasumOptimizer(inner, sync_every=3, outer_optimizer=outer, combine="mean")
+
+    straight, _ = _train(make, 9)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = make(model)
+    x = torch.randn(9, 5, 3)
+    for k in range(9):
+        if k == 5:
+            saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            assert saved["optimizer"]["adasum_sync"]["steps"] == 2
+            model = torch.nn.Linear(3, 2)
+            model.load_state_dict(saved["model"])
+            optimizer = make(model)
+            optimizer.load_state_dict(saved["optimizer"])
+        model(x[k]).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for a, b in zip(straight.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_periodic_sync_every_step_is_the_adasum_step_itself():
+    periodic = PeriodicSync([torch.zeros(2)], sync_every=1)
+    assert periodic.every_step and periodic.state_dict()["synced"] is None
+    assert not PeriodicSync([torch.zeros(2)], sync_every=1, combine="mean").every_step
+    partial = functools.partial(torch.optim.SGD, lr=0.7)
+    assert not PeriodicSync(
+        [p := torch.nn.Parameter(torch.zeros(2))], outer_optimizer=partial([p])
+    ).every_step

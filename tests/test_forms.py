@@ -202,6 +202,21 @@ def test_local_sgd_trains_the_same_parameters_in_the_three_forms(key, cases):
     assert plain[0]["steps"] == 16
 
 
+LOCAL_SGD_ACCUMULATION = forms(
+    "forms-local-sgd-accumulate-clip", 2, "--sync-every", "2", "--accumulate", "3", "--clip-norm", "0.05",
+    "--combine", "mean", "--epochs", "1",
+)  # fmt: skip
+
+
+@pytest.mark.cases(*LOCAL_SGD_ACCUMULATION)
+def test_local_sgd_counts_optimizer_steps_under_accumulation_and_clipping(cases):
+    # 8 batches, a step after batches 3, 6 and 8: windows of 2 steps end at step 2 and, cut short, at the end
+    plain = three_forms(cases, LOCAL_SGD_ACCUMULATION)
+    assert plain[0]["steps"] == 3
+    assert torch.equal(plain[0]["trace"][1], plain[1]["trace"][1])  # synced after step 2
+    assert not torch.equal(plain[0]["trace"][2], plain[1]["trace"][2])  # step 3: inside the last window
+
+
 def local_sgd_reference(start: dict, rank_batches: list, sync_every: int, combine: str, outer_lr: float):
     """The algorithm written out in one process: each worker's parameters after each of its steps."""
     from adasum_lightning.ops import adasum_reduce

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,12 +22,14 @@ from torch.optim import Optimizer
 from adasum_lightning import validation
 from adasum_lightning.horovod_support import agree_on_process_group, check_adasum_world, import_horovod
 from adasum_lightning.launchers import detect_launcher
+from adasum_lightning.local_sgd import PeriodicSync
 from adasum_lightning.validation import reported_on_every_rank
 
 __all__ = [
     "HorovodProcess",
     "check_launcher_world_size",
     "make_parameters_contiguous",
+    "periodic_sync",
     "prepare_unwrapped_module",
     "register",
     "sampler_seed",
@@ -95,6 +98,31 @@ def prepare_unwrapped_module(strategy: Any, module: Module) -> None:
         validation.check_sync_batchnorm(strategy.root_device.type, False, sync_layers, name)
     make_parameters_contiguous(module)
     broadcast_from_rank_zero([*module.parameters(), *module.buffers()])
+
+
+def periodic_sync(
+    strategy: Any, optimizer: Optimizer, restored: dict[str, Any] | None, timeout: timedelta | None
+) -> PeriodicSync:
+    """``optimizer``'s local-SGD windows under ``strategy``'s ``sync_every``, ``combine`` and
+    ``outer_optimizer`` (None, or a callable that builds it from the parameters), restored from ``restored``.
+
+    Raises:
+        AdasumConfigurationError: on every rank, an outer optimizer over other parameters.
+    """
+    from adasum_lightning.step import optimizer_parameters
+
+    params = optimizer_parameters(optimizer)
+    outer = None
+    if strategy.outer_optimizer is not None:
+        outer = strategy.outer_optimizer(params)
+        with reported_on_every_rank(strategy.global_rank):
+            validation.check_outer_optimizer(
+                strategy.strategy_name, [id(p) for p in params], [id(p) for p in optimizer_parameters(outer)]
+            )
+    built = PeriodicSync(params, strategy.sync_every, strategy.combine, outer, timeout=timeout)
+    if restored is not None:
+        built.load_state_dict(restored)
+    return built
 
 
 def named_parameters(

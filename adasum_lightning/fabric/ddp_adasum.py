@@ -20,14 +20,13 @@ from typing_extensions import override
 from adasum_lightning import validation
 from adasum_lightning._strategy_parts import (
     check_launcher_world_size,
+    periodic_sync,
     prepare_unwrapped_module,
     register,
     sampler_seed,
 )
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES, PeriodicSync
-from adasum_lightning.step import optimizer_parameters
-from adasum_lightning.validation import reported_on_every_rank
 
 from . import _compat
 
@@ -137,18 +136,9 @@ class DDPAdasumStrategy(DDPStrategy):
         built = self._periodic.get(id(optimizer))
         if built is not None:
             return built
-        params = optimizer_parameters(optimizer)
-        outer = None
-        if self.outer_optimizer is not None:
-            outer = self.outer_optimizer(params)
-            with reported_on_every_rank(self.global_rank):
-                validation.check_outer_optimizer(
-                    self.strategy_name, [id(p) for p in params], [id(p) for p in optimizer_parameters(outer)]
-                )
-        timeout = _compat.process_group_timeout(self)
-        built = PeriodicSync(params, self.sync_every, self.combine, outer, timeout=timeout)
-        if len(self._restored_periodic) > len(self._periodic):
-            built.load_state_dict(self._restored_periodic[len(self._periodic)])
+        restored = self._restored_periodic
+        state = restored[len(self._periodic)] if len(restored) > len(self._periodic) else None
+        built = periodic_sync(self, optimizer, state, _compat.process_group_timeout(self))
         self._periodic[id(optimizer)] = built
         return built
 

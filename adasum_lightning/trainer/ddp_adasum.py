@@ -22,10 +22,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
-from adasum_lightning._strategy_parts import check_launcher_world_size
+from adasum_lightning._strategy_parts import check_launcher_world_size, periodic_sync
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES, PeriodicSync
-from adasum_lightning.step import PER_PARAMETER_OPTIMIZERS, BackwardAdasumStep, optimizer_parameters
+from adasum_lightning.step import PER_PARAMETER_OPTIMIZERS, BackwardAdasumStep
 
 from . import _compat
 from ._base import UpdateReducingDDPStrategy
@@ -199,23 +199,14 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         built = self._periodic.get(id(optimizer))
         if built is not None:
             return built
-        params = optimizer_parameters(optimizer)
-        outer = None
-        if self.outer_optimizer is not None:
-            outer = self.outer_optimizer(params)
-            with validation.reported_on_every_rank(self.global_rank):
-                validation.check_outer_optimizer(
-                    self.strategy_name, [id(p) for p in params], [id(p) for p in optimizer_parameters(outer)]
-                )
-        timeout = _compat.process_group_timeout(self)
-        built = PeriodicSync(params, self.sync_every, self.combine, outer, timeout=timeout)
         index = [_compat.unwrap_lightning_optimizer(o) for o in self.optimizers].index(optimizer)
-        if self._restored_periodic is not None and index < len(self._restored_periodic):
-            built.load_state_dict(self._restored_periodic[index])
+        restored = self._restored_periodic or []
+        state = restored[index] if index < len(restored) else None
+        built = periodic_sync(self, optimizer, state, _compat.process_group_timeout(self))
         self._periodic[id(optimizer)] = built
         return built
 
-    def _end_windows(self) -> None:
+    def end_windows(self) -> None:
         """Sync every optimizer's parameters now (a collective): Lightning evaluates or saves them next."""
         for periodic in self._periodic.values():
             periodic.sync()
@@ -288,17 +279,17 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     # ------------------------------------------------------------------------------------------ windows
     @override
     def on_validation_start(self) -> None:
-        self._end_windows()
+        self.end_windows()
         super().on_validation_start()
 
     @override
     def on_train_end(self) -> None:
-        self._end_windows()
+        self.end_windows()
         super().on_train_end()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._end_windows()  # a checkpoint holds the synced parameters, the same on every rank
+        self.end_windows()  # a checkpoint holds the synced parameters, the same on every rank
         return super().lightning_module_state_dict()
 
     @override

@@ -11,8 +11,8 @@
   launched by Lightning itself, ``torchrun``, SLURM or Azure ML; no Horovod needed.
 
 The strategy classes exist once per Lightning package (see :mod:`adasum_lightning._namespaces`):
-``adasum_lightning.pytorch_lightning.X`` (the same objects as ``adasum_lightning.trainer.X``) for
-``pytorch_lightning.Trainer`` and ``adasum_lightning.lightning.X`` for ``lightning.pytorch.Trainer``. A bare
+``adasum_lightning.trainer.X`` for ``pytorch_lightning.Trainer`` and ``adasum_lightning.lightning.X`` for
+``lightning.pytorch.Trainer``. A bare
 ``adasum_lightning.X`` is the one for the package this process has imported. Importing this package imports
 neither Lightning package nor Horovod, and initialises nothing.
 

@@ -13,8 +13,7 @@ files are loaded a second time as ``adasum_lightning.lightning`` (and ``adasum_l
 with the two package names renamed (``pytorch_lightning`` → ``lightning.pytorch``, ``lightning_fabric`` →
 ``lightning.fabric``) — the renaming Lightning's own release tooling applies when it builds the unified
 package from the standalone sources. The subpackages use relative imports for their own modules and absolute
-imports for the package-independent rest of ``adasum_lightning``. ``adasum_lightning.pytorch_lightning`` is
-:mod:`adasum_lightning.trainer` under the name of the package it is for (and its old name).
+imports for the package-independent rest of ``adasum_lightning``.
 
 Strategy names are registered lazily: when (and only when) a Lightning package has been imported, the
 matching copy is loaded and its strategies are added to that package's ``StrategyRegistry`` (a post-import
@@ -139,7 +138,7 @@ AMBIGUOUS_MESSAGE = (
     "both pytorch_lightning and lightning.pytorch are imported in this process, so "
     "`adasum_lightning.<Strategy>` is ambiguous: a strategy object must belong to the package of the Trainer "
     "it is given to. Import it from `adasum_lightning.lightning` (for lightning.pytorch.Trainer) or "
-    "`adasum_lightning.pytorch_lightning` (for pytorch_lightning.Trainer), or pass the strategy by name, "
+    "`adasum_lightning.trainer` (for pytorch_lightning.Trainer), or pass the strategy by name, "
     "e.g. Trainer(strategy='horovod_adasum'), which works with either."
 )
 

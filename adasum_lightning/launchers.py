@@ -15,8 +15,6 @@ from dataclasses import dataclass
 __all__ = [
     "DetectedLauncher",
     "detect_launcher",
-    "SeenLauncher",
-    "seen_launcher",
     "launcher_rank",
     "launcher_world_size",
     "launcher_local_rank",
@@ -109,8 +107,3 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> DetectedLaunche
         if applies and processes is not None:
             return DetectedLauncher(name, processes, variable, horovod)
     return None
-
-
-#: The old names of :class:`DetectedLauncher` and :func:`detect_launcher`, kept for existing imports.
-SeenLauncher = DetectedLauncher
-seen_launcher = detect_launcher

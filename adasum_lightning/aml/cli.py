@@ -28,6 +28,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     DEFAULT_BASE_IMAGE,
     DEFAULT_CLUSTER,
@@ -39,8 +40,6 @@ from adasum_lightning.aml.job import (
     DEFAULT_VM_SIZE,
     STRATEGIES,
     AmlJob,
-    AmlSubmitError,
-    AmlUsageError,
 )
 from adasum_lightning.aml.workspace import load_workspace_config, redact
 

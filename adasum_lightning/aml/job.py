@@ -23,22 +23,12 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from adasum_lightning import fault_tolerance
+from adasum_lightning.aml.errors import AmlUsageError
+from adasum_lightning.aml.project import DataBinding, check_placeholders
 from adasum_lightning.ops import is_power_of_two
 from adasum_lightning.validation import nearest_powers_of_two
-
-if TYPE_CHECKING:
-    from adasum_lightning.aml.project import DataBinding
-
-
-class AmlUsageError(ValueError):
-    """Bad input (arguments, config file, topology, VM size): the message names the fix. CLI exit code 2."""
-
-
-class AmlSubmitError(RuntimeError):
-    """Submission failed at run time (no network, authentication, Azure error). CLI exit code 1."""
 
 
 @dataclass(frozen=True)
@@ -394,8 +384,6 @@ class AmlJob:
             raise AmlUsageError("the bundled MNIST example is a LightningCLI script: drop --trainer-args off")
         if self.trainer_args:
             self._check_training_args(args)
-        from adasum_lightning.aml.project import check_placeholders
-
         object.__setattr__(self, "data", tuple(self.data))
         object.__setattr__(self, "requirements", tuple(self.requirements))
         check_placeholders(args, self.data)

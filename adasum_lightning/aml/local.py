@@ -29,10 +29,12 @@ from pathlib import Path
 
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob, AmlUsageError, is_power_of_two
+from adasum_lightning.aml.errors import AmlUsageError
+from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob
 from adasum_lightning.aml.project import bind_placeholders
 from adasum_lightning.aml.staging import stage_code
 from adasum_lightning.horovod_support import missing_horovod_message
+from adasum_lightning.ops import is_power_of_two
 
 #: Inherited variables of other launchers and schedulers, removed from a ``ddp_adasum`` local run so that
 #: Lightning sees only what an Azure ML PyTorch job sets (e.g. ``TORCHELASTIC_RUN_ID`` would select

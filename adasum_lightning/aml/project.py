@@ -1,7 +1,7 @@
 """The user's project as an Azure ML job sees it: the entry script in its source directory, the code
 snapshot, the extra pip requirements, and the data the job reads and writes.
 
-Nothing here imports an Azure SDK; every check raises :class:`.job.AmlUsageError` (CLI exit code 2) with
+Nothing here imports an Azure SDK; every check raises :class:`.errors.AmlUsageError` (CLI exit code 2) with
 a message that names the fix, before any SDK object exists.
 
 - The **code snapshot** is the source directory minus what its ``.amlignore`` (or, when there is none,
@@ -25,7 +25,7 @@ from types import MappingProxyType
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from adasum_lightning.aml.job import AmlUsageError
+from adasum_lightning.aml.errors import AmlUsageError
 
 #: Files Azure ML reads for what not to upload, in order of precedence (only the first found is used).
 IGNORE_FILES = (".amlignore", ".gitignore")

@@ -13,12 +13,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     IDLE_SECONDS_BEFORE_SCALEDOWN,
     SHM_SIZE,
     AmlJob,
-    AmlSubmitError,
-    AmlUsageError,
     environment_parts,
 )
 from adasum_lightning.aml.project import bind_placeholders

@@ -11,12 +11,11 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     IDLE_SECONDS_BEFORE_SCALEDOWN,
     SHM_SIZE,
     AmlJob,
-    AmlSubmitError,
-    AmlUsageError,
     environment_parts,
 )
 from adasum_lightning.aml.staging import StagedJob

@@ -28,7 +28,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from adasum_lightning.aml.job import TRAINING_SCRIPT, AmlJob, AmlUsageError
+from adasum_lightning.aml.errors import AmlUsageError
+from adasum_lightning.aml.job import TRAINING_SCRIPT, AmlJob
 from adasum_lightning.aml.project import copy_snapshot
 from adasum_lightning.horovod_support import HOROVOD_BUILD_PACKAGE
 

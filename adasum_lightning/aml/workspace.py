@@ -15,7 +15,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from adasum_lightning.aml.job import AmlSubmitError, AmlUsageError
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 
 #: Files tried, in order, when no ``--config`` is given (the seed's name, then Azure ML's own locations).
 DEFAULT_CONFIG_FILES = ("config_aml.json", "config.json", ".azureml/config.json")

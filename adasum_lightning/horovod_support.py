@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from adasum_lightning import validation
+from adasum_lightning import reporting, validation
 
 __all__ = [
     "HOROVOD_BUILD_PACKAGE",
@@ -91,7 +91,7 @@ def agree_on_process_group(hvd: Any, environment: Any) -> int:
     )
     address, port, problem = hvd.broadcast_object(proposal, root_rank=0, name="adasum_lightning.pg_address")
     if problem:
-        with validation.reported_on_every_rank(hvd.rank()):
+        with reporting.reported_on_every_rank(hvd.rank()):
             raise validation.AdasumConfigurationError(problem)
     environment.set_main_address_and_port(address, port)
     hosts = list(dict.fromkeys(hvd.allgather_object(socket.gethostname(), name="adasum_lightning.hosts")))

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["adasum", "adasum_reduce", "is_power_of_two", "ADASUM_NORM_EPS"]
+__all__ = ["adasum", "adasum_reduce", "is_power_of_two", "nearest_powers_of_two", "ADASUM_NORM_EPS"]
 
 #: Squared norms below this count as zero (their coefficient is forced to 1), as in Horovod's
 #: ``adasum.h`` (``std::sqrt(DBL_MIN)`` ≈ 1.49e-154). A zero update therefore yields no NaN.
@@ -32,6 +32,14 @@ def is_power_of_two(n: int) -> bool:
     the simulator use it.
     """
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
+
+
+def nearest_powers_of_two(n: int) -> list[int]:
+    """The powers of 2 just below and just above ``n`` (one value when ``n`` < 2 or a power of 2)."""
+    if n < 1:
+        return [1]
+    lower = 1 << (n.bit_length() - 1)
+    return [lower] if lower == n else [lower, lower * 2]
 
 
 def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -20,19 +20,15 @@ reduce-scatter inside a node, Adasum across nodes, power-of-2 node count, homoge
 
 from __future__ import annotations
 
-import contextlib
-import pickle
-import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from adasum_lightning.launchers import DetectedLauncher
-from adasum_lightning.ops import is_power_of_two
+from adasum_lightning.ops import is_power_of_two, nearest_powers_of_two
 
 __all__ = [
     "AdasumConfigurationError",
-    "nearest_powers_of_two",
     "check_world_size",
     "check_nccl_topology",
     "check_controller",
@@ -47,13 +43,14 @@ __all__ = [
     "check_horovod_dtypes",
     "check_sync_batchnorm",
     "check_launcher_world_size",
-    "reported_on_every_rank",
     "check_uneven_inputs",
-    "scaled_learning_rate_message",
     "check_skipped_backward_passes",
+    "check_overlap_backward",
+    "overlap_fallback_reason",
     "clipping_refused",
     "unreadable_checkpoint",
-    "CHECKPOINT_READ_ERRORS",
+    "identical_gradients_message",
+    "scaled_learning_rate_message",
 ]
 
 
@@ -63,14 +60,6 @@ class AdasumConfigurationError(ValueError):
     A ``ValueError`` (not Lightning's ``MisconfigurationException``) so that it is the same class whichever
     Lightning package is in use.
     """
-
-
-def nearest_powers_of_two(n: int) -> list[int]:
-    """The powers of 2 just below and just above ``n`` (one value when ``n`` < 2 or a power of 2)."""
-    if n < 1:
-        return [1]
-    lower = 1 << (n.bit_length() - 1)
-    return [lower] if lower == n else [lower, lower * 2]
 
 
 def _sizes(n: int) -> str:
@@ -427,30 +416,6 @@ def unreadable_checkpoint(path: object, err: BaseException, rank: int) -> Runtim
         "It is truncated, corrupt or not a Lightning checkpoint: pass another ckpt_path, or ckpt_path=None "
         "to start from scratch."
     )
-
-
-#: What ``torch.load`` raises for a file it cannot read (a corrupt pickle stream can also fail in a memo
-#: lookup: ``KeyError``, ``IndexError``).
-CHECKPOINT_READ_ERRORS = (
-    pickle.UnpicklingError,
-    EOFError,
-    RuntimeError,
-    ValueError,
-    OSError,
-    KeyError,
-    IndexError,
-)
-
-
-@contextlib.contextmanager
-def reported_on_every_rank(rank: int) -> Iterator[None]:
-    """Print a refused configuration on this rank at once: when the first rank exits, the launcher kills the
-    others, which could then die before Python prints their traceback."""
-    try:
-        yield
-    except AdasumConfigurationError as err:
-        print(f"AdasumConfigurationError on rank {rank}: {err}", file=sys.stderr, flush=True)
-        raise
 
 
 def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:

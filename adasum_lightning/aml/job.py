@@ -27,8 +27,7 @@ from types import MappingProxyType
 from adasum_lightning import fault_tolerance
 from adasum_lightning.aml.errors import AmlUsageError
 from adasum_lightning.aml.project import DataBinding, check_placeholders
-from adasum_lightning.ops import is_power_of_two
-from adasum_lightning.validation import nearest_powers_of_two
+from adasum_lightning.ops import is_power_of_two, nearest_powers_of_two
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing_extensions import override
 
 from adasum_lightning import validation
 from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.reporting import reported_on_every_rank
 from adasum_lightning.step import adasum_step, broadcast_from_rank_zero, optimizer_parameters
-from adasum_lightning.validation import reported_on_every_rank
 
 from . import _compat
 

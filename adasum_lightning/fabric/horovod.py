@@ -36,8 +36,8 @@ from adasum_lightning.horovod_support import (
 )
 from adasum_lightning.launchers import detect_launcher, launcher_rank
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
+from adasum_lightning.reporting import reported_on_every_rank
 from adasum_lightning.step import broadcast_from_rank_zero
-from adasum_lightning.validation import reported_on_every_rank
 
 from . import _compat
 from .environment import HorovodEnvironment

@@ -22,7 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from adasum_lightning import validation
+from adasum_lightning import reporting, validation
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.step import (
     PER_PARAMETER_OPTIMIZERS,
@@ -135,7 +135,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         environment = self.cluster_environment
         launched_outside = environment is not None and environment.creates_processes_externally
         if launched_outside and os.environ.get("WORLD_SIZE", "").isdigit():
-            with validation.reported_on_every_rank(self.global_rank):
+            with reporting.reported_on_every_rank(self.global_rank):
                 # before the rendezvous, which a mismatch would leave waiting
                 validation.check_launcher_world_size(
                     int(os.environ["WORLD_SIZE"]),

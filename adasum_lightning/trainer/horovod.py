@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from adasum_lightning import validation
+from adasum_lightning import reporting, validation
 from adasum_lightning.fabric.environment import HorovodEnvironment
 from adasum_lightning.horovod_support import (
     agree_on_process_group,
@@ -163,7 +163,7 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
         hvd = self.hvd
         hvd.init()
         rank_zero_only.rank = hvd.rank()
-        with validation.reported_on_every_rank(hvd.rank()):
+        with reporting.reported_on_every_rank(hvd.rank()):
             # before the first collective: a bad launch can crash or hang in one
             validation.check_launch(
                 hvd.size(), detect_launcher(), self._requested_devices, strategy_name=self.strategy_name
@@ -198,7 +198,7 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()
         assert self.model is not None
-        with validation.reported_on_every_rank(self.global_rank):
+        with reporting.reported_on_every_rank(self.global_rank):
             validation.check_horovod_dtypes(
                 self.strategy_name,
                 self.root_device.type,
@@ -211,7 +211,7 @@ class HorovodStrategy(UpdateReducingDDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         originals = list(self.optimizers)
-        with validation.reported_on_every_rank(self.global_rank):
+        with reporting.reported_on_every_rank(self.global_rank):
             self._validate_optimizers(originals)
         self.optimizers = [
             self._wrap_optimizer(optimizer, index, trainer.accumulate_grad_batches)

@@ -1,5 +1,5 @@
 """The private Fabric APIs the Fabric strategies use (checked with the Trainer's list by
-``adasum_lightning.trainer._compat.missing``; ``tests/test_compat.py``).
+:func:`adasum_lightning._private_apis.missing`; ``tests/test_compat.py``).
 
 Read from: lightning-fabric 2.4.0 and 2.6.6 (and lightning 2.6.6's ``lightning.fabric``), Horovod 0.28.1
 (``horovod/torch/optimizer.py``).

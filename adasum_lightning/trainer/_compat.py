@@ -1,7 +1,7 @@
 """Every private Horovod, Lightning and torch API this project uses, in one place.
 
-Each entry names where it was read and in which versions; :func:`missing` checks that the installed
-versions still have them (``tests/test_compat.py`` fails loudly, naming the entry, when one is gone).
+Each entry names where it was read and in which versions; :func:`adasum_lightning._private_apis.missing`
+checks that the installed versions still have them (``tests/test_compat.py`` fails, naming the entry).
 Nothing else in the project reaches into another package's private names.
 
 Read from: pytorch-lightning 2.4.0 and 2.6.6 (and lightning 2.6.6, the same sources under
@@ -19,12 +19,10 @@ from pytorch_lightning.core.optimizer import _configure_optimizers, _configure_s
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from torch.optim import Optimizer
 
-from adasum_lightning._private_apis import PrivateApi, _check
-from adasum_lightning.fabric import _compat as fabric_compat
+from adasum_lightning._private_apis import PrivateApi
 
 __all__ = [
     "PRIVATE_APIS",
-    "missing",
     "configure_optimizers",
     "configure_schedulers",
     "sync_module_states",
@@ -112,16 +110,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         attributes=("_wrapped_by_lr_sched", "_opt_called"),
     ),
 )
-
-
-def missing(include_optional: bool = False) -> list[str]:
-    """One line per private API the installed versions lack (empty when all are there); the Fabric
-    strategies' entries (:mod:`adasum_lightning.fabric._compat`) included."""
-    return [
-        problem
-        for api in (*PRIVATE_APIS, *fabric_compat.PRIVATE_APIS)
-        if (include_optional or not api.optional) and (problem := _check(api)) is not None
-    ]
 
 
 # ---------------------------------------------------------------------------------------------- Lightning

@@ -1,8 +1,8 @@
 """Learning-rate scaling by a factor, shared by the strategies (``lr_scaling``) and the simulator.
 
-Averaging gradients over N workers shrinks the update, so pytorch-lightning 1.x's Horovod strategy multiplied
-every learning rate by N (PL #2574); Adasum needs no such factor (Maleki et al., MLSys 2021; Horovod's
-``docs/adasum_user_guide.rst``).
+Averaging over N workers shrinks the update, so pytorch-lightning 1.x's Horovod strategy multiplied every
+learning rate by N (https://github.com/Lightning-AI/pytorch-lightning/issues/2574). Adasum needs no such
+factor (Maleki et al., MLSys 2021; Horovod's ``docs/adasum_user_guide.rst``).
 """
 
 from __future__ import annotations

@@ -178,8 +178,8 @@ def check_precision(precision: str) -> None:
     """fp16 mixed precision (GradScaler) cannot work with Adasum.
 
     The scaler unscales gradients and skips steps with inf/NaN *after* backward, but Horovod's Adasum
-    optimizer has already taken the local step inside backward on the scaled gradients (Horovod #3429:
-    NaN loss). ``"bf16-mixed"`` needs no scaler and works.
+    optimizer has already taken the local step inside backward on the scaled gradients: NaN loss
+    (https://github.com/horovod/horovod/issues/3429). ``"bf16-mixed"`` needs no scaler and works.
 
     Raises:
         AdasumConfigurationError: for ``"16-mixed"`` (Lightning's name for ``precision=16``).

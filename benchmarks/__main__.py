@@ -37,7 +37,7 @@ from benchmarks.common import (
     write_results,
 )
 
-#: ``make bench``: sized for ≈ 60 minutes on a 2-core machine (see docs/benchmarks.md).
+#: ``make bench``: sized for a 2-core machine (its duration: docs/benchmarks.md).
 FULL = {
     "target": 0.99,
     "lower_target": 0.985,
@@ -69,7 +69,7 @@ FULL = {
     "loops_steps": {"cnn": 400, "mlp": 40},
 }
 
-#: ``make bench-quick``: the same pipeline, reduced to fit in under 10 minutes.
+#: ``make bench-quick``: the same pipeline, reduced (its time limit: docs/development.md).
 QUICK = {
     **FULL,
     "target": 0.98,

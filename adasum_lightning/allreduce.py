@@ -49,12 +49,11 @@ def adasum_allreduce(
 ) -> list[torch.Tensor]:
     """Adasum allreduce of ``tensors`` across the ranks of ``group``, in place.
 
-    Every rank passes tensors of the same shapes and dtypes in the same order (like
-    ``torch.distributed.all_reduce``). Afterwards every tensor holds the Adasum of the ranks' tensors, bitwise
-    identical on every rank: one coefficient pair per tensor, combined in the order of
-    :func:`adasum_lightning.ops.adasum_reduce`. float32 results match ``hvd.allreduce(op=hvd.Adasum)`` to ≤ 1
-    ulp; float64 to ~1e-15 relative. Buffers are kept per thread, dtype and device for the next call, like
-    Horovod's fusion buffer; :func:`release_workspace` frees them.
+    Every rank passes tensors of the same shapes and dtypes in the same order; afterwards each holds, bitwise
+    identical on every rank, the Adasum of the ranks' tensors (one coefficient pair per tensor) in the order
+    of :func:`adasum_lightning.ops.adasum_reduce`. float32 matches ``hvd.allreduce(op=hvd.Adasum)`` to ≤ 1
+    ulp. Buffers are kept per thread for the next call, as Horovod keeps its fusion buffer
+    (:func:`release_workspace` frees them).
 
     Args:
         tensors: tensors of any shapes (contiguous or not), dtypes float16, bfloat16, float32 or float64, on
@@ -160,10 +159,10 @@ def _communicator(group: dist.ProcessGroup | None, timeout: timedelta | None) ->
 
 
 def workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "recv") -> torch.Tensor:
-    """A 1-D buffer of ``numel`` elements for ``slot``, kept for this thread between calls.
+    """A 1-D buffer of ``numel`` elements for ``slot``, kept for this thread: fresh memory costs page faults.
 
-    Fresh memory costs a page fault per 4 KiB. Contents are undefined; one buffer per slot, dtype and device,
-    grown on demand; :func:`release_workspace` frees them all.
+    Contents are undefined; one buffer per slot, dtype and device, grown on demand; freed by
+    :func:`release_workspace`.
     """
     key = f"{slot}|{dtype}|{device}"
     buf = getattr(_workspace, key, None)

@@ -28,8 +28,7 @@ CHECKPOINT_READ_ERRORS = (
 def reported_on_every_rank(rank: int) -> Iterator[None]:
     """Print a refused configuration on this rank at once, then re-raise it.
 
-    When the first rank exits, the launcher kills the others, which could die before Python prints their
-    traceback.
+    Once the first rank exits, the launcher kills the others, which could die before printing their traceback.
     """
     try:
         yield

@@ -1,12 +1,12 @@
 """The rules that refuse a configuration a strategy would fail late on, hang in or train wrongly with.
 
-Each rule is a pure function of plain values whose error names the strategy and the fix; the strategies
-(Trainer and Fabric) call them on every rank, on the same values, before the first step.
+Each rule is a pure function of plain values whose error names the strategy and the fix; the strategies call
+them on every rank, on the same values, before the first step.
 
 Sources for Horovod's rules (0.28.1): ``horovod/torch/mpi_ops.py`` (CPU Adasum: power-of-2 world size),
 ``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum: homogeneous
-power-of-2 nodes), ``horovod/common/operations.cc`` (Adasum for MPI only), ``horovod/torch/optimizer.py``
-(the local step runs in the backward hook; ``gradient_predivide_factor`` needs op=Average).
+power-of-2 nodes), ``horovod/common/operations.cc`` (Adasum for MPI only), ``horovod/torch/optimizer.py`` (the
+local step runs in the backward hook; ``gradient_predivide_factor`` needs op=Average).
 """
 
 from __future__ import annotations

@@ -240,9 +240,7 @@ def _size_with_gpus(gpus: int) -> str:
 
 @dataclass(frozen=True)
 class AmlJob:
-    """One Azure ML training job of a Lightning script with an Adasum (or Horovod) strategy.
-
-    The job runs ``node_count × process_count_per_node`` processes, one per GPU.
+    """One Azure ML job (a process per GPU) training a Lightning script with an Adasum or Horovod strategy.
 
     Attributes:
         experiment_name: the Azure ML experiment (letters, digits, ``_``, ``-``).

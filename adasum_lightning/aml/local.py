@@ -1,9 +1,8 @@
 """``--local N``: the job's training command on this machine, N CPU processes, started as Azure ML would.
 
-A smoke test before paying for a cluster: the same code snapshot, command line and environment variables as
-the job, with ``${{inputs.NAME}}`` / ``${{outputs.NAME}}`` bound to local folders. The Horovod strategies run
-under ``horovodrun``; ``ddp_adasum`` as N processes with the variables of an Azure ML PyTorch job
-(:data:`.job.AML_PYTORCH_VARIABLES`), not under ``torchrun``, so that Lightning takes the cluster's path.
+The same code snapshot, command line and environment variables as the job, with ``${{inputs.NAME}}`` /
+``${{outputs.NAME}}`` bound to local folders. ``ddp_adasum`` runs N processes with an Azure ML PyTorch job's
+variables (:data:`.job.AML_PYTORCH_VARIABLES`), not ``torchrun``, so Lightning takes the cluster's path.
 """
 
 from __future__ import annotations

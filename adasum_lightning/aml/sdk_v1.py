@@ -296,8 +296,7 @@ def submit(
         stream: follow the run's logs until it ends.
 
     Returns:
-        ``(the submitted azureml.core.Run, its final status or None without stream)``; its id and portal URL
-        are printed.
+        ``(the submitted azureml.core.Run, its final status or None without stream)``; its URL is printed.
 
     Raises:
         AmlSubmitError: see :func:`connect`; Azure errors while submitting (redacted).

@@ -225,8 +225,7 @@ def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=No
         stream: follow the job's logs until it ends (``client.jobs.stream``).
 
     Returns:
-        ``(the created job entity, its final status or None without stream)``; its name and studio URL are
-        printed.
+        ``(the created job entity, its final status or None without stream)``; its name and URL are printed.
 
     Raises:
         AmlSubmitError: no network; authentication or Azure errors (redacted; names ``az login``).

@@ -82,7 +82,7 @@ test-gpu-wheel: gpu-wheel-build
 # world size 1 on cuda:0, adasum_allreduce on CUDA tensors, sync_batchnorm, bf16/fp16. One line per check;
 # without a GPU each says `skipped: no GPU`. Under 10 minutes on one GPU.
 gpu-check: gpu-wheel
-	@$(PY) tests/gpu_check.py
+	@$(PY) -m tests.gpu_check
 
 lint: setup
 	@$(VENV)/bin/ruff check adasum_lightning examples tests benchmarks

@@ -9,8 +9,8 @@ there sees them installed at the pinned versions and installs only the rest (sym
 registry, as it would for a user. This is what uv's ``--link-mode=hardlink`` does from its cache; pip has no
 such mode. Console scripts are rewritten for DEST_VENV's python. A file on another file system is copied.
 
-Used by ``.ci/compat.sh`` and ``tests/test_wheel.py``: three full copies of torch filled CI's disk
-(``No space left on device`` after 2679 s).
+Used by ``.ci/compat.sh`` and ``tests/test_wheel.py``, whose environments would otherwise each hold a full
+copy of torch.
 """
 
 from __future__ import annotations

@@ -1,27 +1,21 @@
 """adasum-lightning: Adasum (adaptive summation) as PyTorch Lightning 2.x strategies.
 
-``import adasum_lightning`` registers three strategy names with Lightning's ``StrategyRegistry`` — with
-``pytorch_lightning``'s and with ``lightning.pytorch``'s, each as soon as that package is imported:
+``import adasum_lightning`` registers three strategy names with Lightning's ``StrategyRegistry`` (of
+``pytorch_lightning`` and of ``lightning.pytorch``, each once that package is imported), and with Fabric's:
 
-- ``"horovod_adasum"``: :class:`HorovodAdasumStrategy` — Horovod's Adasum of parameter deltas, launched by
-  ``horovodrun``/``mpirun``; no learning-rate scaling by world size;
-- ``"horovod"``: :class:`HorovodStrategy` — Horovod gradient averaging, learning rate × world size
+- ``"horovod_adasum"``: :class:`HorovodAdasumStrategy`, Horovod's Adasum of parameter deltas under
+  ``horovodrun``/``mpirun``; no learning-rate scaling;
+- ``"horovod"``: :class:`HorovodStrategy`, Horovod's gradient averaging, learning rate × world size
   (pytorch-lightning 1.x's ``strategy="horovod"``);
-- ``"ddp_adasum"``: :class:`DDPAdasumStrategy` — Adasum of parameter deltas on ``torch.distributed``,
-  launched by Lightning itself, ``torchrun``, SLURM or Azure ML; no Horovod needed.
+- ``"ddp_adasum"``: :class:`DDPAdasumStrategy`, Adasum of parameter deltas on ``torch.distributed``, launched
+  by Lightning, ``torchrun``, SLURM or Azure ML; no Horovod needed.
 
-The strategy classes exist once per Lightning package (see :mod:`adasum_lightning._namespaces`):
-``adasum_lightning.pytorch_lightning.X`` (the same objects as ``adasum_lightning.trainer.X``) for
-``pytorch_lightning.Trainer`` and ``adasum_lightning.lightning.X`` for ``lightning.pytorch.Trainer``. A bare
-``adasum_lightning.X`` is the one for the package this process has imported. Importing this package imports
-neither Lightning package nor Horovod, and initialises nothing.
-
-With ``torch`` alone (no Lightning installed) the Adasum reduction and the optimizer wrapper work:
-:class:`AdasumOptimizer` for a plain ``torch.distributed`` training loop, :func:`adasum_allreduce`,
-:func:`adasum_step`. The strategy names need Lightning; asking for a strategy class without it raises an
-``ImportError`` that names the pip command. Fabric users get ``Fabric(strategy="ddp_adasum")`` (and
-``"horovod_adasum"``, ``"horovod"``) the same way, registered with ``lightning_fabric``'s and
-``lightning.fabric``'s strategy registries.
+The classes exist once per Lightning package (:mod:`adasum_lightning._namespaces`):
+``adasum_lightning.trainer.X`` for ``pytorch_lightning.Trainer``, ``adasum_lightning.lightning.X`` for
+``lightning.pytorch.Trainer``; a bare ``adasum_lightning.X`` is the one of the package this process imported.
+Importing this package imports neither Lightning nor Horovod. With ``torch`` alone, :class:`AdasumOptimizer`,
+:func:`adasum_allreduce` and :func:`adasum_step` work; a strategy class then raises an ``ImportError`` naming
+the pip command.
 """
 
 from __future__ import annotations

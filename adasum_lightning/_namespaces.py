@@ -1,26 +1,14 @@
 """The two Lightning package names, and a copy of the strategies for each.
 
-Lightning ships its trainer twice: the standalone ``pytorch_lightning`` package (with ``lightning_fabric``)
-and the unified ``lightning`` package, which carries its own copy as ``lightning.pytorch`` (with
-``lightning.fabric``). Both can be installed in one environment — ``pip install lightning`` installs
-``pytorch-lightning`` too — and each has its own ``StrategyRegistry`` and ``Strategy`` base class: a strategy
-built on one is rejected by the other's ``Trainer`` ("must be an instance of
-lightning.pytorch.strategies.Strategy").
+``pytorch_lightning`` (with ``lightning_fabric``) and the unified ``lightning`` (``lightning.pytorch``,
+``lightning.fabric``) can be installed together, and each has its own ``StrategyRegistry`` and ``Strategy``
+class: one's ``Trainer`` rejects a strategy built on the other. So the strategies are written once, in
+:mod:`adasum_lightning.trainer` and :mod:`adasum_lightning.fabric`, and loaded a second time as
+``adasum_lightning.lightning`` (and ``.lightning.fabric``) with the package names renamed, as Lightning's
+release tooling builds ``lightning`` from the standalone sources.
 
-The strategies are written once, against ``pytorch_lightning``/``lightning_fabric``, in the subpackages
-:mod:`adasum_lightning.trainer` and :mod:`adasum_lightning.fabric`. For the unified package the same source
-files are loaded a second time as ``adasum_lightning.lightning`` (and ``adasum_lightning.lightning.fabric``)
-with the two package names renamed (``pytorch_lightning`` → ``lightning.pytorch``, ``lightning_fabric`` →
-``lightning.fabric``) — the renaming Lightning's own release tooling applies when it builds the unified
-package from the standalone sources. The subpackages use relative imports for their own modules and absolute
-imports for the package-independent rest of ``adasum_lightning``. ``adasum_lightning.pytorch_lightning`` is
-:mod:`adasum_lightning.trainer` under the name of the package it is for (and its old name).
-
-Strategy names are registered lazily: when (and only when) a Lightning package has been imported, the
-matching copy is loaded and its strategies are added to that package's ``StrategyRegistry`` (a post-import
-hook from ``wrapt``). Importing ``adasum_lightning`` therefore imports neither Lightning package itself,
-and a script that imports only one of them gets only that one — which is how :func:`resolve` knows which
-copy ``adasum_lightning.HorovodAdasumStrategy`` means.
+Strategy names are registered only once a Lightning package is imported (a ``wrapt`` post-import hook):
+``import adasum_lightning`` imports neither, and :func:`resolve` knows which copy a bare name means.
 """
 
 from __future__ import annotations
@@ -79,8 +67,7 @@ NAMESPACES: tuple[Namespace, ...] = (
     Namespace("lightning.pytorch", "lightning", _MIRROR_PACKAGE),
 )
 
-#: The Fabric packages: the standalone ``lightning_fabric`` (``pip install lightning-fabric``, also brought by
-#: pytorch-lightning) and the unified package's ``lightning.fabric``.
+#: The Fabric packages: ``lightning_fabric`` (which pytorch-lightning brings) and ``lightning.fabric``.
 FABRIC_NAMESPACES: tuple[Namespace, ...] = (
     Namespace("lightning_fabric", "lightning-fabric", _FABRIC_SOURCE_PACKAGE),
     Namespace("lightning.fabric", "lightning", _FABRIC_MIRROR_PACKAGE),
@@ -117,12 +104,12 @@ def strategies_for(namespace: Namespace) -> ModuleType:
 def resolve() -> Namespace:
     """The Lightning package that a bare ``adasum_lightning.<Strategy>`` refers to.
 
-    The one this process has imported; when it has imported neither, ``lightning`` if installed (Lightning's
-    documentation imports it as ``import lightning as L``), else ``pytorch_lightning``.
+    The one this process has imported; when it has imported neither, ``lightning`` if installed, else
+    ``pytorch_lightning``.
 
     Raises:
-        ImportError: neither package is installed, or both have been imported (the name is ambiguous: the
-            message names the two explicit modules).
+        ImportError: neither package is installed, or both are imported (the message names the two explicit
+            modules).
     """
     imported = [ns for ns in NAMESPACES if sys.modules.get(ns.trainer_module) is not None]
     if len(imported) == 1:
@@ -139,7 +126,7 @@ AMBIGUOUS_MESSAGE = (
     "both pytorch_lightning and lightning.pytorch are imported in this process, so "
     "`adasum_lightning.<Strategy>` is ambiguous: a strategy object must belong to the package of the Trainer "
     "it is given to. Import it from `adasum_lightning.lightning` (for lightning.pytorch.Trainer) or "
-    "`adasum_lightning.pytorch_lightning` (for pytorch_lightning.Trainer), or pass the strategy by name, "
+    "`adasum_lightning.trainer` (for pytorch_lightning.Trainer), or pass the strategy by name, "
     "e.g. Trainer(strategy='horovod_adasum'), which works with either."
 )
 
@@ -153,15 +140,15 @@ def missing_lightning_message() -> str:
 
 
 def _register(namespace: Namespace) -> None:
-    # Importing the strategies registers them with their package's StrategyRegistry (the subpackage's last
-    # lines). When that import is what imported the Lightning package, it is in progress and finishes the
-    # registration itself.
+    # Importing the strategies registers them (the subpackage's last lines); an import in progress ends it.
     strategies_for(namespace)
 
 
 def register_when_imported() -> None:
-    """Register the strategy names with each Lightning package's ``StrategyRegistry`` (and Fabric's
-    ``STRATEGY_REGISTRY``) once it is imported (at once for a package already imported)."""
+    """Register the strategy names with each Lightning package's registries once it is imported.
+
+    At once for a package already imported; Fabric's ``STRATEGY_REGISTRY`` too.
+    """
     import wrapt  # installed with Lightning; not needed for the torch-only part of the project
 
     sys.meta_path.insert(0, _MirrorFinder())
@@ -170,10 +157,9 @@ def register_when_imported() -> None:
 
 
 class _MirrorLoader(importlib.abc.SourceLoader):
-    """Loads a module of a source subpackage under its mirror (:data:`_MIRRORS`) with the imports renamed.
+    """Loads a module of a source subpackage under its mirror (:data:`_MIRRORS`), with the imports renamed.
 
-    The renamed source is compiled from the original file (line numbers, and so tracebacks, are those of the
-    file) and never cached as bytecode, so the two copies cannot share a stale ``.pyc``.
+    Compiled from the original file (tracebacks keep its line numbers), never cached as bytecode.
     """
 
     def __init__(self, path: Path) -> None:

@@ -1,5 +1,8 @@
-"""How a private API of another package is recorded and checked (see ``pytorch_lightning/_compat.py`` and
-``fabric/_compat.py``, which list them); needs no Lightning."""
+"""How a private API of another package is recorded and checked; needs no Lightning.
+
+``trainer/_compat.py`` and ``fabric/_compat.py`` list the entries (their ``PRIVATE_APIS``); :func:`missing`
+checks both lists for the Lightning package in use (``tests/test_compat.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,13 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["PrivateApi"]
+__all__ = ["PrivateApi", "COMPAT_MODULES", "missing"]
+
+#: The modules whose ``PRIVATE_APIS`` the strategies for each Lightning package use (Trainer's, Fabric's).
+COMPAT_MODULES: dict[str, tuple[str, str]] = {
+    "pytorch_lightning": ("adasum_lightning.trainer._compat", "adasum_lightning.fabric._compat"),
+    "lightning.pytorch": ("adasum_lightning.lightning._compat", "adasum_lightning.lightning.fabric._compat"),
+}
 
 
 @dataclass(frozen=True)
@@ -19,6 +28,19 @@ class PrivateApi:
     read_from: str
     attributes: tuple[str, ...] = ()
     optional: bool = False  # a feature some supported versions lack (used only where present)
+
+
+def missing(package: str = "pytorch_lightning", include_optional: bool = False) -> list[str]:
+    """One line per private API that the strategies for ``package`` use and the installed versions lack.
+
+    Empty when all are there. Imports ``package`` (a key of :data:`COMPAT_MODULES`).
+    """
+    apis = [api for module in COMPAT_MODULES[package] for api in importlib.import_module(module).PRIVATE_APIS]
+    return [
+        problem
+        for api in apis
+        if (include_optional or not api.optional) and (problem := _check(api)) is not None
+    ]
 
 
 def _check(api: PrivateApi) -> str | None:

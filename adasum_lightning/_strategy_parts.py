@@ -23,7 +23,7 @@ from adasum_lightning import validation
 from adasum_lightning.horovod_support import agree_on_process_group, check_adasum_world, import_horovod
 from adasum_lightning.launchers import detect_launcher
 from adasum_lightning.local_sgd import PeriodicSync
-from adasum_lightning.validation import reported_on_every_rank
+from adasum_lightning.reporting import reported_on_every_rank
 
 __all__ = [
     "HorovodProcess",

@@ -1,39 +1,17 @@
 """Adasum allreduce on ``torch.distributed`` point-to-point operations (no Horovod, no Lightning).
 
-:func:`adasum_allreduce` performs the reduction Horovod 0.28.1's MPI Adasum allreduce performs
-(``horovod/common/ops/adasum/adasum.h``, ``adasum_mpi.cc``), with ``torch.distributed.batch_isend_irecv``
-as the transport: Gloo for CPU tensors, NCCL (or any backend with point-to-point support) for others.
+:func:`adasum_allreduce` performs Horovod 0.28.1's MPI Adasum allreduce
+(``horovod/common/ops/adasum/adasum.h``, ``adasum_mpi.cc``) over ``batch_isend_irecv``: Gloo for CPU tensors,
+NCCL (or any point-to-point backend) for others. Per flat bucket of same-dtype, same-device tensors: ranks
+``P … N-1`` (``P`` the largest power of 2 ≤ ``N``) are folded into ranks ``r - P``, then vector halving /
+distance doubling over ranks ``0 … P-1`` (a binomial tree for buckets up to :data:`TREE_MAX_BYTES`), then the
+result is sent back. The algorithm, its equality with Horovod and its tuning: docs/adasum_allreduce.md.
 
-Algorithm, per flat bucket of same-dtype, same-device tensors (tensor boundaries kept):
-
-1. Ranks ``P … N-1`` (``P`` the largest power of 2 ≤ ``N``) send their bucket to rank ``r - P``, which
-   folds it in: ``x[r-P] := adasum(x[r-P], x[r])`` per tensor, on full vectors (no Horovod counterpart;
-   Horovod refuses non-powers of 2).
-2. Vector halving / distance doubling over ranks ``0 … P-1``: at levels ``d = 1, 2, 4, …`` rank ``q``
-   pairs with ``q XOR d``; its current segment of ``n`` elements is split at ``n >> 1``, the rank whose
-   bit ``d`` is clear keeps the first part, and the two ranks swap the parts they give away. On its kept
-   part each rank computes per tensor ``a·b``, ``‖a‖²``, ``‖b‖²`` in float64 (``a`` its own data, ``b``
-   the neighbour's), sums these over the ``2·d`` ranks that share the segment, and sets
-   ``a := acoeff·a + bcoeff·b`` with Horovod's coefficients (below).
-3. Distance halving back (``d = P/2 … 1``): the pairs swap their segments until every rank of
-   ``0 … P-1`` holds the whole result; then ranks ``r - P`` send it to ranks ``r``.
-
-Small buckets (``bytes × log2 P ≤`` :data:`TREE_MAX_BYTES`) replace steps 2 and 3 by a binomial
-tree: at levels ``d = 1, 2, 4, …`` rank ``q + d`` (``q`` a multiple of ``2·d``) sends its whole bucket
-to rank ``q``, which computes ``adasum(x[q], x[q + d])`` on whole tensors; rank 0 then sends the result
-back down the tree. Same pairing order, one round trip per level instead of Horovod's three (halves,
-dot products, gather); as in Horovod every element of the result is computed by one rank only, so all
-ranks hold the same bits whatever their thread counts or CPUs.
-
-The result is :func:`adasum_lightning.ops.adasum_reduce` of the ranks' tensors (same pairing order);
-float32 results match Horovod's own Adasum allreduce to ≤ 1 ulp.
-
-Coefficients (Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021;
-Horovod ``adasum.h``): with ``L``, ``R`` the data of the lower and the upper half of the ranks sharing
-a segment, ``cL = 1 - (L·R) / ‖L‖² · 0.5`` and ``cR = 1 - (L·R) / ‖R‖² · 0.5``, evaluated in float64
-exactly in this order; a squared norm below ``sqrt(DBL_MIN)`` (:data:`~adasum_lightning.ops.ADASUM_NORM_EPS`)
-forces its coefficient to 1. The combination is computed in float64 and rounded once to the tensor's
-dtype, like Horovod's ``ScaledAdd``.
+Coefficients (Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021; Horovod
+``adasum.h``): with ``L``, ``R`` the data of the lower and upper half of the ranks sharing a segment,
+``cL = 1 - (L·R) / ‖L‖² · 0.5`` and ``cR = 1 - (L·R) / ‖R‖² · 0.5`` in float64, in this order; a squared norm
+below :data:`~adasum_lightning.ops.ADASUM_NORM_EPS` forces its coefficient to 1. The combination is computed
+in float64 and rounded once to the tensor's dtype, like Horovod's ``ScaledAdd``.
 """
 
 from __future__ import annotations
@@ -52,20 +30,15 @@ __all__ = ["adasum_allreduce", "adasum_allreduce_flat", "release_workspace", "wo
 #: Dtypes :func:`adasum_allreduce` reduces (Horovod's CPU Adasum has no bfloat16; this module does).
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-#: Elements per float64 work chunk on CPU: two chunks (own, received) of 2 MiB stay in the L2/L3 cache
-#: while their dot products and their combination are computed; smaller chunks pay PyTorch's per-op
-#: overhead, larger ones fall out of the cache (measurements: docs/adasum_allreduce.md, "Tuning").
+#: Elements per float64 work chunk on CPU: two chunks of 2 MiB stay in the L2/L3 cache
+#: (docs/adasum_allreduce.md, "Tuning").
 CPU_CHUNK: int = 1 << 18
-#: On other devices (GPU) one chunk is the whole segment, up to this many elements (bounds the float64
-#: scratch memory to 2 × 8 × 2**24 bytes = 256 MiB).
+#: Elements per chunk on other devices (GPU): at most 2 × 8 × 2**24 B = 256 MiB of float64 scratch memory.
 DEVICE_CHUNK: int = 1 << 24
-#: Buckets with ``bytes × log2(P)`` up to this take the binomial tree (module docstring) instead of the
-#: vector halving: fewer synchronisations, but every level moves whole buckets, one way at a time, and the
-#: arithmetic on the tree's path is ``log2(P)`` whole-bucket combinations. 8 MB is where the two cost the
-#: same on Gloo over TCP (timings: docs/adasum_allreduce.md, "Tuning").
+#: Buckets with ``bytes × log2(P)`` up to this take the binomial tree instead of the vector halving: fewer
+#: round trips, whole buckets per level (docs/adasum_allreduce.md, "Tuning").
 TREE_MAX_BYTES: int = 8 << 20
-#: Tensors (parts of tensors) of fewer elements are batched with their neighbours into one chunk and
-#: reduced per tensor with ``segment_reduce``, instead of costing a few PyTorch ops each.
+#: Tensor parts of fewer elements are batched with their neighbours into one chunk (``segment_reduce``).
 SMALL_TENSOR: int = 1 << 12
 
 
@@ -76,52 +49,31 @@ def adasum_allreduce(
 ) -> list[torch.Tensor]:
     """Adasum allreduce of ``tensors`` across the ranks of ``group``, in place.
 
-    Every rank passes tensors of the same shapes and dtypes in the same order (like
-    ``torch.distributed.all_reduce``); afterwards every tensor holds, on every rank, the Adasum of the
-    ranks' tensors, bitwise identical on all ranks:
-    ``adasum(a, b) = (1 - a·b / (2‖a‖²))·a + (1 - a·b / (2‖b‖²))·b`` per tensor (one coefficient pair
-    per tensor, float64 dot products and norms), combined over the ranks in the order of
-    :func:`adasum_lightning.ops.adasum_reduce`: for ``N = 2**k`` ranks Horovod's order
-    (``adasum(adasum(x0, x1), adasum(x2, x3))`` for 4); otherwise, with ``P`` the largest power of 2 ≤
-    ``N``, ranks ``r ≥ P`` are folded into rank ``r - P`` first (``x[r-P] := adasum(x[r-P], x[r])``) and
-    ranks ``0 … P-1`` are then reduced in Horovod's order.
-
-    The algorithm (module docstring) is Horovod 0.28.1's vector-halving / distance-doubling Adasum
-    (``horovod/common/ops/adasum/adasum.h``; operator from Maleki et al., "Scaling Distributed Training
-    with Adaptive Summation", MLSys 2021) on ``torch.distributed.batch_isend_irecv``, or for small buckets
-    a binomial tree with the same pairing. float32 results match Horovod's
-    ``hvd.allreduce(op=hvd.Adasum)`` to ≤ 1 ulp; float64 to ~1e-15 relative (summation order).
-
-    Tensors are packed into one flat buffer per (dtype, device), tensor boundaries kept; a bucket of a
-    single contiguous tensor is reduced in that tensor's own memory. Buffers are kept for the next call
-    per thread, dtype and device, like Horovod's fusion buffer (fresh memory costs a page fault per 4 KiB):
-    the receive buffer (half the largest bucket, or all of it for the tree and when ``N`` is not a power
-    of 2), the packed bucket when it holds several tensors, and float64 work space (6 MiB on CPU);
-    :func:`release_workspace` frees them.
+    Every rank passes tensors of the same shapes and dtypes in the same order; afterwards each holds, bitwise
+    identical on every rank, the Adasum of the ranks' tensors (one coefficient pair per tensor) in the order
+    of :func:`adasum_lightning.ops.adasum_reduce`. float32 matches ``hvd.allreduce(op=hvd.Adasum)`` to ≤ 1
+    ulp. Buffers are kept per thread for the next call, as Horovod keeps its fusion buffer
+    (:func:`release_workspace` frees them).
 
     Args:
-        tensors: any number of tensors of any shapes (contiguous or not), dtypes float16, bfloat16,
-            float32 or float64, on devices ``group``'s backend supports for point-to-point operations
-            (CPU with Gloo; CUDA with NCCL, after ``torch.cuda.set_device``).
-        group: the process group (default: the default group); any sub-group works. On a rank that is
-            not a member, nothing happens (as in ``torch.distributed`` collectives).
-        timeout: how long one point-to-point exchange may wait for its peer on Gloo; pass the group's
-            own timeout (``init_process_group(timeout=...)``; ``ddp_adasum`` passes its ``timeout``).
-            Default: torch's default process-group timeout, 30 minutes. Gloo's point-to-point handles
-            otherwise wait without limit: a peer lost with its host would block this rank until the
-            kernel gives up on the connection. Not used with NCCL, whose watchdog applies the group's
-            timeout.
+        tensors: tensors of any shapes (contiguous or not), dtypes float16, bfloat16, float32 or float64, on
+            devices ``group``'s backend supports for point-to-point operations (CPU with Gloo; CUDA with
+            NCCL).
+        group: the process group (default: the default group); on a rank that is not a member, nothing
+            happens.
+        timeout: how long one exchange may wait for its peer on Gloo (default: torch's default process-group
+            timeout, 30 minutes); pass the group's own. Without it a lost peer blocks until the kernel gives
+            up the connection. Not used with NCCL, whose watchdog applies the group's timeout.
 
     Returns:
-        The same tensors, as a list (``tensors`` itself when it is a list), reduced in place; shapes and
-        dtypes unchanged. An empty list and a group of size 1 are no-ops.
+        The same tensors, as a list (``tensors`` itself when it is a list), reduced in place. An empty list
+        and a group of size 1 are no-ops.
 
     Raises:
-        TypeError: an element is not a tensor, or its dtype is not one of the four above (the message
-            names the dtype).
+        TypeError: an element is not a tensor, or has another dtype (the message names it).
         ValueError: from ``torch.distributed`` when no process group is initialised.
-        RuntimeError: from ``torch.distributed`` when the backend fails (a peer died or did not answer
-            within ``timeout``).
+        RuntimeError: from ``torch.distributed`` when the backend fails (a peer died or did not answer within
+            ``timeout``).
     """
     out = tensors if isinstance(tensors, list) else list(tensors)
     for i, t in enumerate(out):
@@ -146,14 +98,11 @@ def adasum_allreduce_flat(
 ) -> torch.Tensor:
     """:func:`adasum_allreduce` of tensors already packed back to back into one flat buffer, in place.
 
-    ``flat`` holds ``len(counts)`` tensors of ``counts[i]`` elements each, one after the other; the result is
-    what :func:`adasum_allreduce` gives for those tensors (one coefficient pair per tensor), without packing
-    and unpacking them. :func:`adasum_lightning.step.adasum_step` writes the deltas straight into such a
-    buffer.
+    :func:`adasum_lightning.step.adasum_step` writes the deltas straight into such a buffer.
 
     Args:
         flat: a contiguous 1-D tensor of a supported dtype, the same length and dtype on every rank.
-        counts: the tensors' element counts; they add up to ``flat.numel()``.
+        counts: the element counts of the tensors in it, in order; they add up to ``flat.numel()``.
         group, timeout: as for :func:`adasum_allreduce`.
 
     Returns:
@@ -199,8 +148,7 @@ def _check_tensor(t: object, i: int) -> None:
 
 
 def _communicator(group: dist.ProcessGroup | None, timeout: timedelta | None) -> _Comm | None:
-    """The exchanges' context for this rank of ``group``; None where nothing is to be done (not a member,
-    or a group of one)."""
+    """The exchanges' context for this rank of ``group``; None for a non-member or a group of one."""
     rank = dist.get_rank(group)
     if rank < 0:  # not a member of ``group``
         return None
@@ -211,9 +159,11 @@ def _communicator(group: dist.ProcessGroup | None, timeout: timedelta | None) ->
 
 
 def workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "recv") -> torch.Tensor:
-    """A 1-D buffer of ``numel`` elements for ``slot``, kept for this thread between calls: fresh memory costs
-    a page fault per 4 KiB page (see docs/benchmarks.md). Contents are undefined; one buffer per slot, dtype
-    and device, grown when a larger one is asked for; :func:`release_workspace` frees them all."""
+    """A 1-D buffer of ``numel`` elements for ``slot``, kept for this thread: fresh memory costs page faults.
+
+    Contents are undefined; one buffer per slot, dtype and device, grown on demand; freed by
+    :func:`release_workspace`.
+    """
     key = f"{slot}|{dtype}|{device}"
     buf = getattr(_workspace, key, None)
     if buf is None or buf.numel() < numel:
@@ -223,9 +173,7 @@ def workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str = 
 
 
 def _gloo_wait_timeout(group: dist.ProcessGroup, timeout: timedelta | None) -> timedelta | None:
-    """The limit for Gloo's point-to-point waits in ``group``: ``timeout``, else torch's default
-    process-group timeout (``torch.distributed.constants.default_pg_timeout``, 30 minutes). ``None`` for
-    other backends (NCCL applies the group's timeout itself)."""
+    """The limit of Gloo's point-to-point waits: ``timeout``, else torch's default; None off Gloo."""
     if dist.get_backend(group) != "gloo":
         return None
     return timeout if timeout is not None else dist.constants.default_pg_timeout
@@ -248,9 +196,8 @@ class _Comm:
     def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
         """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped.
 
-        At most one message per direction and pair is in flight (every exchange uses tag 0, and Gloo
-        matches messages by peer and tag). Each handle is waited once: a second ``wait()`` on a completed
-        Gloo receive blocks for ever.
+        At most one message per direction and pair is in flight (Gloo matches by peer and tag 0). Each handle
+        is waited once: a second ``wait()`` on a completed Gloo receive blocks for ever.
         """
         ops = [
             dist.P2POp(op, t, self.global_ranks[peer], self.group)
@@ -267,13 +214,9 @@ class _Comm:
     def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """Sum of ``values`` over the ``width`` (a power of 2) ranks ``q`` with ``q // width`` equal to ours.
 
-        Recursive doubling with pairwise swaps (distances 1, 2, …, width/2): after each step both partners
-        hold ``mine + theirs``, the same bits on both sides since floating-point addition is commutative,
-        so every rank of the block ends with the identical sum (the coefficients, and hence the result, do
-        not depend on which rank computes an element). Chosen over ``all_reduce`` on cached sub-groups:
-        ``new_group`` is collective over the whole world (deadlock when ``group`` is itself a sub-group
-        whose non-members never call it) and costs milliseconds per group; the swaps are 1 + … + log2 P
-        small messages per reduction, like Horovod's per-level MPI_Allreduce.
+        Pairwise swaps at distances 1, 2, …, width/2 leave the same bits on every rank of the block (addition
+        is commutative). ``all_reduce`` on sub-groups would need ``new_group``, collective over the whole
+        world.
         """
         step = 1
         while step < width:
@@ -407,9 +350,8 @@ def _segment_counts(offsets: list[int], lo: int, n: int) -> list[int]:
 def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list[int]]]:
     """Work chunks over a segment whose tensors have ``counts`` elements in it.
 
-    Returns ``(start, stop, tensor_ids, lengths)`` per chunk, in order: a part of one large tensor (one
-    id), or a run of whole small tensor parts (several ids, ``lengths`` their elements). A run ends once it
-    reaches ``min(chunk, 2**18)`` elements: its per-element products take 32 bytes each.
+    Returns ``(start, stop, tensor_ids, lengths)`` per chunk, in order: a part of one large tensor, or a run
+    of small tensor parts of at most ``min(chunk, 2**18)`` elements (their products take 32 bytes each).
     """
     run_limit = min(chunk, 1 << 18)
     chunks = []

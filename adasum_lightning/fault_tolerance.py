@@ -1,9 +1,7 @@
-"""Fault-tolerance settings: the launch settings that end a multi-host job when a host is lost (instead of
-every rank waiting in an allreduce) and give the ranks time to stop on SIGTERM, in one place.
+"""The launch settings that end a multi-host job when a host is lost, and give the ranks time on SIGTERM.
 
-``adasum-horovodrun``, ``make demo`` and the Azure ML jobs apply them. Why each one, and the measurements
-behind the numbers (two hosts emulated on one machine, ``tests/test_two_hosts.py``): ``docs/launching.md``,
-"A lost host".
+``adasum-horovodrun``, ``make demo`` and the Azure ML jobs apply them; why each, and the measurements behind
+the numbers: docs/launching.md, "A lost host".
 """
 
 from __future__ import annotations
@@ -22,16 +20,13 @@ __all__ = [
     "tcp_retries2_sysctl",
 ]
 
-#: Open MPI MCA parameters (name → value) that end the whole job at most about 30 s after a host becomes
-#: unreachable: the OOB connection to a host is probed after 10 s of silence, every 5 s, and declared dead
-#: after 4 unanswered probes (10 + 4 × 5 = 30 s). Open MPI's defaults are 300 s / 20 s / 9 (480 s).
+#: Open MPI MCA parameters that end the job about 30 s after a host becomes unreachable: keepalive probes
+#: after 10 s of silence, every 5 s, 4 unanswered (10 + 4 × 5 s; Open MPI's defaults give 480 s).
 MPI_FAULT_SETTINGS: dict[str, str] = {
     "oob_tcp_keepalive_time": "10",
     "oob_tcp_keepalive_intvl": "5",
     "oob_tcp_keepalive_probes": "4",
-    # When mpirun stops the ranks (SIGTERM to mpirun, a preemption, a failed rank): SIGCONT, then SIGTERM
-    # after this many seconds, then SIGKILL after as many again (Open MPI's default, 1 s, leaves Lightning
-    # 1 s to finish the step and write an OnExceptionCheckpoint).
+    # Seconds between SIGCONT, SIGTERM and SIGKILL when mpirun stops the ranks (default 1 s): checkpoint time.
     "odls_base_sigkill_timeout": "5",
 }
 
@@ -49,29 +44,23 @@ def horovodrun_mpi_args(settings: Mapping[str, str] = MPI_FAULT_SETTINGS) -> str
 def mpi_env(settings: Mapping[str, str] = MPI_FAULT_SETTINGS) -> dict[str, str]:
     """The same as environment variables (``OMPI_MCA_<name>``) for the launcher's environment.
 
-    ``mpirun`` reads them and passes them to the ``orted`` daemons of the other hosts on their command
-    line, and every rank sees them in its environment (checked on two hosts), so exporting them where
-    ``mpirun``/``horovodrun`` starts is enough, e.g. in a job definition that builds the ``mpirun`` itself.
-    Open MPI documents that a value given on the command line wins over the variable.
+    ``mpirun`` passes them to the other hosts' daemons, so exporting them where it starts is enough; a value
+    on the command line wins over the variable.
     """
     return {f"OMPI_MCA_{name}": str(value) for name, value in settings.items()}
 
 
-#: Process-group timeout for torch.distributed strategies (Lightning: ``DDPStrategy(timeout=...)``): a
-#: collective that waits this long for a peer raises, and the rank exits. It also bounds legitimate
-#: waits, e.g. every rank waiting at a barrier while rank 0 writes a checkpoint: raise it if one rank
-#: can be busy alone for longer. torch's default for Gloo is 30 minutes.
+#: Process-group timeout of the torch.distributed strategies (``DDPStrategy(timeout=...)``): a collective
+#: waiting this long for a peer raises. It also bounds legitimate waits (a barrier while rank 0 writes a
+#: checkpoint): raise it if one rank can be busy alone for longer. torch's Gloo default: 30 minutes.
 DDP_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=30)
 
-#: ``torchrun`` arguments: when a worker fails, the agent sends SIGTERM to the others and waits this long
-#: before SIGKILL (default 30 s). A rank blocked inside a collective cannot run a Python signal handler
-#: (Lightning's included), so it only ends when the collective fails (docs/launching.md).
+#: ``torchrun`` arguments: when a worker fails, the agent waits this long from SIGTERM to SIGKILL for the
+#: others (default 30 s); a rank blocked in a collective cannot run a signal handler anyway.
 TORCHRUN_FAULT_ARGS: tuple[str, ...] = ("--shutdown-timeout", "5")
 
-#: ``net.ipv4.tcp_retries2`` for every node of a ``torchrun`` job: a TCP connection whose data stays
-#: unacknowledged fails after about 25 s ((2^7 − 1) × 200 ms of retransmissions) instead of the Linux
-#: default 15 (about 15 minutes). Ends the agent that lost the rendezvous store (docs/launching.md,
-#: "A lost host").
+#: ``net.ipv4.tcp_retries2`` for every node of a ``torchrun`` job: unacknowledged TCP data fails after about
+#: 25 s ((2^7 − 1) × 200 ms) instead of about 15 minutes (Linux's 15), ending an agent that lost its store.
 TCP_RETRIES2 = 6
 
 

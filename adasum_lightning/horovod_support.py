@@ -1,8 +1,6 @@
-"""What the Horovod strategies of the Trainer and of Fabric share, without Lightning: importing Horovod, the
-address of the ``torch.distributed`` process group beside it, and which optimizers need a closure.
+"""What the Horovod strategies (Trainer and Fabric) share: importing Horovod, the process group beside it.
 
-Imports no Lightning package (the Trainer subpackage and the Fabric subpackage, in either package name,
-import it as it is).
+Imports no Lightning package, so every copy of the strategies imports it as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from adasum_lightning import validation
+from adasum_lightning import reporting, validation
 
 __all__ = [
     "HOROVOD_BUILD_PACKAGE",
@@ -31,17 +29,20 @@ __all__ = [
 ]
 
 
-#: The package that holds Horovod's build script and patch: ``patches/`` in a checkout, package data in the
-#: wheel (``setup.py``).
+#: The package of Horovod's build script and patch: ``patches/`` in a checkout, package data in a wheel.
 HOROVOD_BUILD_PACKAGE = "adasum_lightning.aml.horovod_build"
 
 
 def missing_horovod_message(
     what: str, alternative: str = "strategy='ddp_adasum'", python: str | None = None
 ) -> str:
-    """The one message for a missing Horovod: ``what`` is not in the environment of ``python`` (default:
-    this one); the build command with the build script as installed (a checkout's or the wheel's), or
-    ``alternative``, which needs no Horovod."""
+    """The one message for a missing Horovod: the installed build script's command, or ``alternative``.
+
+    Args:
+        what: what is missing, e.g. ``"horovodrun (Horovod's launcher)"``.
+        alternative: what needs no Horovod.
+        python: the environment's interpreter (default: this one).
+    """
     python = python or sys.executable
     try:
         script = importlib.resources.files(HOROVOD_BUILD_PACKAGE).joinpath("build_horovod.sh")
@@ -68,21 +69,21 @@ def import_horovod() -> Any:
 
 
 def agree_on_process_group(hvd: Any, environment: Any) -> int:
-    """Rank 0 picks the address and port of the ``torch.distributed`` process group; Horovod broadcasts
-    them. Also sets each rank's node rank (its host's index among the job's hosts).
+    """Rank 0 picks the address and port of the ``torch.distributed`` group; Horovod broadcasts them.
+
+    Also sets each rank's node rank (its host's index among the job's hosts).
 
     Args:
         hvd: ``horovod.torch``, initialised.
-        environment: the strategy's ``HorovodEnvironment`` (either Lightning package's), which picks the
-            free port and receives the address, port and node rank.
+        environment: the strategy's ``HorovodEnvironment``, which picks the free port and receives the
+            address, port and node rank.
 
     Returns:
         The number of hosts in the job.
 
     Raises:
-        AdasumConfigurationError: on every rank, when the job spans several hosts and the address would be
-            a loopback one (``MASTER_ADDR`` set so, or rank 0's host name resolving so): the other hosts
-            could not reach it. The message names ``MASTER_ADDR``.
+        AdasumConfigurationError: on every rank, for a job on several hosts whose address would be a loopback
+            one (``MASTER_ADDR``, or rank 0's host name, resolving so); the message names ``MASTER_ADDR``.
     """
     proposal = (
         process_group_address(hvd.size() == hvd.local_size(), environment.free_port)
@@ -91,7 +92,7 @@ def agree_on_process_group(hvd: Any, environment: Any) -> int:
     )
     address, port, problem = hvd.broadcast_object(proposal, root_rank=0, name="adasum_lightning.pg_address")
     if problem:
-        with validation.reported_on_every_rank(hvd.rank()):
+        with reporting.reported_on_every_rank(hvd.rank()):
             raise validation.AdasumConfigurationError(problem)
     environment.set_main_address_and_port(address, port)
     hosts = list(dict.fromkeys(hvd.allgather_object(socket.gethostname(), name="adasum_lightning.hosts")))
@@ -100,14 +101,13 @@ def agree_on_process_group(hvd: Any, environment: Any) -> int:
 
 
 def check_adasum_world(hvd: Any, device_type: str) -> str | None:
-    """The launch rules of Horovod's Adasum, right after ``hvd.init()``: the MPI controller, and a power-of-2
-    world on CPU (or, with NCCL on GPU, homogeneous power-of-2 nodes). Nothing to check at world size 1.
+    """The launch rules of Horovod's Adasum, right after ``hvd.init()``; none at world size 1.
 
     Returns:
-        A warning to show on rank 0 (NCCL on a single node: Adasum then averages), else None.
+        A warning for rank 0 (NCCL on a single node: Adasum then averages), else None.
 
     Raises:
-        AdasumConfigurationError: a rule fails (:mod:`adasum_lightning.validation`).
+        AdasumConfigurationError: a rule of :mod:`adasum_lightning.validation` fails.
     """
     if hvd.size() == 1:
         return None  # nothing is reduced
@@ -123,12 +123,11 @@ def check_adasum_world(hvd: Any, device_type: str) -> str | None:
 def process_group_address(
     single_host: bool, free_port: Callable[[], int]
 ) -> tuple[str | None, int | None, str | None]:
-    """On rank 0: (address, port, problem) of the process group beside Horovod.
+    """On rank 0: ``(address, port, problem)`` of the process group beside Horovod.
 
-    The address is ``MASTER_ADDR`` when set, else ``127.0.0.1`` when every rank runs on one host, else the
-    address rank 0's host name resolves to; the port is ``MASTER_PORT`` when set, else ``free_port()``
-    (:meth:`HorovodEnvironment.free_port`: Lightning's ``find_free_network_port``). ``problem`` (address and
-    port None) says why a job on several hosts cannot use a loopback address.
+    The address is ``MASTER_ADDR``, else ``127.0.0.1`` on one host, else what rank 0's host name resolves to;
+    the port is ``MASTER_PORT``, else ``free_port()``. ``problem`` (address and port None) says why a job on
+    several hosts cannot use a loopback address.
     """
     port = int(os.environ.get("MASTER_PORT") or free_port())
     given = os.environ.get("MASTER_ADDR")
@@ -152,10 +151,9 @@ def process_group_address(
 
 
 def needs_closure(optimizer: Optimizer) -> bool:
-    """True when the optimizer's ``step`` has a ``closure`` parameter without a default (e.g. LBFGS).
+    """True when the optimizer's own ``step`` has a ``closure`` without a default (e.g. LBFGS).
 
-    Horovod's wrapper classes (built at run time in ``horovod.torch.optimizer``) define ``step(closure=None)``
-    for every optimizer, so the wrapped optimizer's own ``step`` is the one that says.
+    Horovod's wrapper classes define ``step(closure=None)`` for every optimizer, so the wrapped class decides.
     """
     for cls in type(optimizer).__mro__:
         if "step" in vars(cls) and not cls.__module__.startswith("horovod."):

@@ -1,17 +1,10 @@
-"""``adasum-horovodrun``: ``horovodrun`` that passes SIGTERM and SIGINT on to the job.
+"""``adasum-horovodrun``: ``horovodrun`` that passes SIGTERM, SIGINT and SIGHUP on to the job's ``mpirun``.
 
-Why: in MPI mode ``horovodrun`` ends by replacing itself with ``/bin/sh -c "mpirun …"``
-(``horovod/runner/mpi_run.py``, ``os.execve``; Horovod PR #931). Where ``/bin/sh`` is dash (Debian, Ubuntu)
-the shell stays as ``mpirun``'s parent, and a SIGTERM sent to the process a scheduler started kills only that
-shell: ``mpirun`` and every rank keep training (docs/launching.md, "Preemption"). ``mpirun`` itself
-does forward SIGTERM to the ranks (SIGCONT, then SIGTERM, then SIGKILL, ``odls_base_sigkill_timeout``
-seconds apart). This wrapper runs ``horovodrun`` as a child and sends each SIGTERM, SIGINT or SIGHUP it gets
-to that child's ``mpirun`` (to ``horovodrun`` itself before it has started one, and under ``--gloo``, where
-Horovod's own launcher handles the signal), then waits for the job and exits with its status.
+Usage: ``horovodrun``'s arguments, e.g. ``adasum-horovodrun -np 8 -H host1:4,host2:4 python train.py``. It
+also sets the Open MPI settings of :mod:`adasum_lightning.fault_tolerance` (``OMPI_MCA_*``, unless set).
 
-Usage: ``horovodrun``'s arguments, e.g. ``adasum-horovodrun -np 8 -H host1:4,host2:4 python train.py``.
-It also sets the Open MPI settings of :mod:`adasum_lightning.fault_tolerance` (as ``OMPI_MCA_*`` variables,
-unless already set), so that a lost host or a preemption ends the job instead of hanging it.
+Why: ``horovodrun`` ends as ``/bin/sh -c "mpirun …"`` (https://github.com/horovod/horovod/pull/931); where
+``/bin/sh`` is dash, a SIGTERM to it kills only that shell and the ranks train on (docs/launching.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """What the process launcher told this process, read from the environment (no Horovod, no Lightning).
 
-Open MPI (``mpirun``, ``horovodrun`` over MPI, Azure ML MPI jobs) sets ``OMPI_COMM_WORLD_*``; Horovod's own
-Gloo launcher (``horovodrun --gloo``) sets ``HOROVOD_*``; MPICH / Intel MPI set ``PMI_*``. ``torchrun``,
-Lightning's own launcher, SLURM's ``srun`` and Azure ML PyTorch jobs set the ``torch.distributed`` variables
-(``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``) or their own.
+Open MPI sets ``OMPI_COMM_WORLD_*``, ``horovodrun --gloo`` ``HOROVOD_*``, MPICH / Intel MPI ``PMI_*``;
+``torchrun``, Lightning, SLURM's ``srun`` and Azure ML PyTorch jobs set ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``
+or their own.
 """
 
 from __future__ import annotations
@@ -15,16 +14,13 @@ from dataclasses import dataclass
 __all__ = [
     "DetectedLauncher",
     "detect_launcher",
-    "SeenLauncher",
-    "seen_launcher",
     "launcher_rank",
     "launcher_world_size",
     "launcher_local_rank",
     "launcher_local_size",
 ]
 
-# Variables of the launchers that start Horovod jobs, in order of preference: Horovod's own (Gloo and
-# elastic launches), Open MPI, MPICH / Intel MPI (PMI).
+# Variables of the launchers of Horovod jobs, in order of preference: Horovod's own, Open MPI, PMI.
 _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _LOCAL_RANK_VARS = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
@@ -80,10 +76,8 @@ class DetectedLauncher:
 def detect_launcher(environ: Mapping[str, str] | None = None) -> DetectedLauncher | None:
     """The launcher whose variables are set in ``environ`` (default ``os.environ``); None for a plain start.
 
-    Checked in this order: ``horovodrun --gloo`` (``HOROVOD_SIZE``), Open MPI (``OMPI_COMM_WORLD_SIZE``),
-    MPICH / Intel MPI (``PMI_SIZE``), ``torchrun`` (``TORCHELASTIC_RUN_ID`` with ``WORLD_SIZE``), SLURM
-    ``srun`` (``SLURM_STEP_NUM_TASKS`` inside a job step), then any other ``torch.distributed`` launcher
-    (``WORLD_SIZE``: Lightning's own, ``torch.distributed.launch``, Azure ML PyTorch jobs).
+    Checked in this order: ``horovodrun --gloo``, Open MPI, MPICH / Intel MPI, ``torchrun``
+    (``TORCHELASTIC_RUN_ID``), SLURM ``srun`` (inside a job step), then any other ``WORLD_SIZE``.
     """
     env = os.environ if environ is None else environ
 
@@ -109,8 +103,3 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> DetectedLaunche
         if applies and processes is not None:
             return DetectedLauncher(name, processes, variable, horovod)
     return None
-
-
-#: The old names of :class:`DetectedLauncher` and :func:`detect_launcher`, kept for existing imports.
-SeenLauncher = DetectedLauncher
-seen_launcher = detect_launcher

@@ -1,8 +1,8 @@
 """Learning-rate scaling by a factor, shared by the strategies (``lr_scaling``) and the simulator.
 
-Averaging gradients over N workers shrinks the update, so pytorch-lightning 1.x's Horovod strategy multiplied
-every learning rate by N (PL #2574); Adasum needs no such factor (Maleki et al., MLSys 2021; Horovod's
-``docs/adasum_user_guide.rst``).
+Averaging over N workers shrinks the update, so pytorch-lightning 1.x's Horovod strategy multiplied every
+learning rate by N (https://github.com/Lightning-AI/pytorch-lightning/issues/2574). Adasum needs no such
+factor (Maleki et al., MLSys 2021; Horovod's ``docs/adasum_user_guide.rst``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def check_lr_scaling(value: str | float) -> str | float:
 def scale_learning_rates(optimizers: Iterable[Optimizer], schedulers: Iterable[Any], factor: float) -> None:
     """Multiply every learning rate of ``optimizers`` and their ``schedulers`` by ``factor``, once.
 
-    Each param group's :data:`LR_KEYS` entries (when numbers) and each scheduler's ``base_lrs`` (when it has
-    them). A factor of 1 changes nothing.
+    Each param group's numeric :data:`LR_KEYS` and each scheduler's ``base_lrs``; a factor of 1 changes
+    nothing.
     """
     if factor == 1.0:
         return
@@ -62,8 +62,7 @@ def scale_learning_rates(optimizers: Iterable[Optimizer], schedulers: Iterable[A
 
 
 def lr_factor(lr_scaling: str | float, auto: Callable[[], float]) -> float:
-    """The factor a strategy's ``lr_scaling`` (checked by :func:`check_lr_scaling`) stands for: 1 for
-    ``"none"``, the strategy's own policy ``auto()`` for ``"auto"``, else the number itself."""
+    """The factor of a checked ``lr_scaling``: 1 for ``"none"``, ``auto()`` for ``"auto"``, else the value."""
     if lr_scaling == "none":
         return 1.0
     if lr_scaling == "auto":

@@ -1,13 +1,8 @@
-"""Reference Adasum operator in pure PyTorch.
+"""The reference Adasum operator in pure PyTorch: the arithmetic of Horovod's MPI Adasum allreduce.
 
-This is the arithmetic Horovod's MPI Adasum allreduce performs, written out so that tests can check
-the real collective against it and the scaling simulator can use it without processes.
-
-Sources: Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021 (the
-operator); Horovod 0.28.1 ``horovod/common/ops/adasum/adasum.h`` (float64 accumulation, the
-``sqrt(DBL_MIN)`` guard, and the recursive vector-halving / distance-doubling pairing). For rank counts
-that are not powers of 2 (which Horovod refuses) :func:`adasum_reduce` follows the order of
-:func:`adasum_lightning.allreduce.adasum_allreduce`.
+Tests check the collectives against it, and the simulator uses it without processes. Sources: Maleki et al.,
+"Scaling Distributed Training with Adaptive Summation", MLSys 2021 (the operator); Horovod 0.28.1
+``horovod/common/ops/adasum/adasum.h`` (float64 accumulation, the ``sqrt(DBL_MIN)`` guard, the pairing).
 """
 
 from __future__ import annotations
@@ -18,40 +13,40 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["adasum", "adasum_reduce", "is_power_of_two", "ADASUM_NORM_EPS"]
+__all__ = ["adasum", "adasum_reduce", "is_power_of_two", "nearest_powers_of_two", "ADASUM_NORM_EPS"]
 
-#: Squared norms below this count as zero (their coefficient is forced to 1), as in Horovod's
-#: ``adasum.h`` (``std::sqrt(DBL_MIN)`` ≈ 1.49e-154). A zero update therefore yields no NaN.
+#: Squared norms below this count as zero (coefficient 1, so a zero update gives no NaN): Horovod's
+#: ``std::sqrt(DBL_MIN)`` ≈ 1.49e-154.
 ADASUM_NORM_EPS: float = math.sqrt(sys.float_info.min)
 
 
 def is_power_of_two(n: int) -> bool:
-    """True for 1, 2, 4, 8, …; False for 0, negatives and anything not an ``int`` (``bool`` included).
-
-    The project's one definition: the rules (:mod:`adasum_lightning.validation`), the Azure ML launcher and
-    the simulator use it.
-    """
+    """True for 1, 2, 4, 8, …; False for 0, negatives and anything not an ``int`` (``bool`` included)."""
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
 
 
+def nearest_powers_of_two(n: int) -> list[int]:
+    """The powers of 2 just below and just above ``n`` (one value when ``n`` < 2 or a power of 2)."""
+    if n < 1:
+        return [1]
+    lower = 1 << (n.bit_length() - 1)
+    return [lower] if lower == n else [lower, lower * 2]
+
+
 def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Adasum of two tensors of the same shape.
+    """Adasum of two tensors of the same shape: ``(1 - a·b / (2‖a‖²))·a + (1 - a·b / (2‖b‖²))·b``.
 
-    ``adasum(a, b) = (1 - a·b / (2‖a‖²))·a + (1 - a·b / (2‖b‖²))·b``
-
-    Orthogonal inputs give ``a + b``; identical inputs give ``a``. The dot product and squared norms
-    are computed in float64 over the whole tensor (one coefficient pair per tensor, as Horovod does
-    per layer); a coefficient is 1 when the matching squared norm is below :data:`ADASUM_NORM_EPS`.
+    Orthogonal inputs give ``a + b``, identical ones ``a``. One coefficient pair per tensor, from float64 dot
+    products; a coefficient is 1 when its squared norm is below :data:`ADASUM_NORM_EPS`.
 
     Args:
-        a, b: tensors of any shape (identical shapes), floating dtype (float16, bfloat16, float32 or
-            float64), on the same device.
+        a, b: tensors of one shape, floating dtype (float16, bfloat16, float32 or float64), one device.
 
     Returns:
         A tensor of ``a``'s shape and dtype.
 
     Raises:
-        ValueError: if the shapes differ or the dtype is not floating point.
+        ValueError: the shapes differ or a dtype is not floating point.
     """
     if a.shape != b.shape:
         raise ValueError(f"adasum needs tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -70,16 +65,10 @@ def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def adasum_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Adasum over ``N ≥ 1`` workers' tensors, in the order of the distributed allreduces.
 
-    For ``N = 2**k`` this is Horovod's order: its recursive vector-halving / distance-doubling exchange
-    combines rank ``r`` with rank ``r XOR d`` at distances ``d = 1, 2, 4, …``, and the result equals
-    combining neighbours first: ``adasum(adasum(x0, x1), adasum(x2, x3))`` for four ranks.
-
-    For other ``N`` (Horovod refuses those; :func:`adasum_lightning.allreduce.adasum_allreduce` defines
-    this order), with ``P`` the largest power of 2 ≤ ``N``: first every rank ``r ≥ P`` is folded into
-    rank ``r - P``, ``x[r - P] := adasum(x[r - P], x[r])``; then ``x[0 … P-1]`` are reduced as above.
-    Three ranks: ``adasum(adasum(x0, x2), x1)``; five:
-    ``adasum(adasum(adasum(x0, x4), x1), adasum(x2, x3))``; six:
-    ``adasum(adasum(adasum(x0, x4), adasum(x1, x5)), adasum(x2, x3))``. Every rank receives this result.
+    For ``N = 2**k``, Horovod's order: neighbours first, ``adasum(adasum(x0, x1), adasum(x2, x3))`` for four.
+    Otherwise (Horovod refuses it; :func:`adasum_lightning.allreduce.adasum_allreduce` defines it), with ``P``
+    the largest power of 2 ≤ ``N``, every ``x[r]`` with ``r ≥ P`` is first folded into ``x[r - P]``; three
+    ranks give ``adasum(adasum(x0, x2), x1)``.
 
     Args:
         tensors: one tensor per rank, in rank order; all of one shape and floating dtype.
@@ -88,8 +77,7 @@ def adasum_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         The reduced tensor (shape and dtype of the inputs).
 
     Raises:
-        ValueError: if no tensor is given (or from :func:`adasum` for mismatched shapes or a non-floating
-            dtype).
+        ValueError: no tensor is given (or from :func:`adasum`).
     """
     items = list(tensors)
     if not items:

@@ -1,21 +1,8 @@
 """Uneven inputs: every rank stops an epoch at the same batch, the shortest rank's count.
 
-Every training step of Adasum (and of gradient averaging) is a collective: a rank that has run out of
-batches leaves the others waiting in the update's reduction until the process group's timeout. With a
-``DistributedSampler`` every rank has the same count; with per-rank files, ``use_distributed_sampler=False``
-or an ``IterableDataset`` whose shards differ, it does not. :class:`EvenBatches` wraps a loader so that all
-ranks of a group stop together:
-
-- a sized loader (``len()`` works, over a map-style dataset): the ranks compare their counts when an
-  epoch's iteration starts (one small all_gather) and every rank yields the shortest count's batches; no
-  per-step cost;
-- an iterable loader (no ``len()``, or a ``DataLoader`` over an ``IterableDataset``, whose ``len()`` may
-  promise more than it yields): the ranks agree that every one of them has the next batch (an all_reduce
-  of one integer per step, sent one batch ahead so that it runs while the current batch trains), and at
-  the epoch's end they exchange what each had (one all_gather).
-
-Needs ``torch`` only; the Trainer strategies wrap their training loaders with it (``uneven_inputs=``), Fabric
-and plain-torch loops wrap theirs (``loader = EvenBatches(loader)``).
+Every Adasum (or averaging) step is a collective, so a rank out of batches would leave the others waiting
+until the process group's timeout. Needs ``torch`` only; the Trainer strategies wrap their training loaders in
+:class:`EvenBatches` (``uneven_inputs=``). Details: docs/uneven_inputs_and_resume.md.
 """
 
 from __future__ import annotations
@@ -39,8 +26,11 @@ class UnevenInputsError(RuntimeError):
 
 
 def uneven_message(name: str, counts: list[str], stop: int, refuse: bool) -> str:
-    """The warning (``refuse=False``) or the error text for these per-rank counts (``counts[r]`` is rank r's
-    count as text: ``"5"``, or ``"more than 4"`` for an iterable rank cut short)."""
+    """The warning (``refuse=False``) or the error text for these per-rank counts.
+
+    Args:
+        counts: each rank's count as text: ``"5"``, or ``"more than 4"`` for an iterable rank cut short.
+    """
     listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
     fix = (
         "Give every rank the same number of batches to use all the data (a DistributedSampler — in "
@@ -72,22 +62,22 @@ def _length(loader: Iterable) -> int | None:
 class EvenBatches:
     """``loader``'s batches, cut so that every rank of ``group`` yields the same number per epoch.
 
-    Attribute access is passed on to ``loader`` (``sampler``, ``batch_size``, ``dataset``, …). ``len()`` is
-    the agreed count for a sized loader (and raises ``TypeError`` for an iterable one, as the loader does).
-    Every rank must iterate it at the same time (it runs collectives over ``group``).
+    A sized loader's counts are compared once per epoch; an iterable one (or a ``DataLoader`` over an
+    ``IterableDataset``) agrees on each next batch, a batch ahead. Attribute access goes to ``loader``;
+    ``len()`` is the agreed count of a sized loader. Every rank must iterate it at the same time.
 
     Args:
         loader: a ``DataLoader`` or any iterable of batches.
-        group: the process group (default: the default group). At world size 1 it is ``loader`` as is.
-        uneven_inputs: what to do when the counts differ: ``"truncate"`` (default: every rank stops at the
-            shortest count, with a warning) or ``"error"`` (raise on every rank).
+        group: the process group (default: the default group); at world size 1 it is ``loader`` as is.
+        uneven_inputs: ``"truncate"`` (default: every rank stops at the shortest count, with a warning) or
+            ``"error"`` (raise on every rank).
         name: what the batches are for, in the messages (``"training"``).
-        on_uneven: called with the warning text on every rank when the counts differ and ``uneven`` is
-            ``"truncate"``; default: ``warnings.warn`` on the group's first rank, once per ``EvenBatches``.
+        on_uneven: called on every rank with the warning text when the counts differ and ``uneven_inputs`` is
+            ``"truncate"``; default: ``warnings.warn`` on the group's first rank, once.
 
     Raises:
         ValueError: an unknown ``uneven_inputs``.
-        UnevenInputsError: on every rank, when the counts differ and ``uneven_inputs="error"``; for a sized
+        UnevenInputsError: on every rank, when the counts differ and ``uneven_inputs="error"``: for a sized
             loader before the epoch's first batch, for an iterable one when the first rank runs out.
     """
 

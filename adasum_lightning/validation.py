@@ -1,38 +1,25 @@
-"""Rules that refuse configurations in which a strategy — ``ddp_adasum`` (Adasum on ``torch.distributed``),
-``horovod_adasum`` (Horovod's Adasum) or ``horovod`` (Horovod's averaging), for the Trainer and for Fabric —
-would fail late, hang or train wrongly.
+"""The rules that refuse a configuration a strategy would fail late on, hang in or train wrongly with.
 
-Some rules hold for every strategy (one device per process, no ``SyncBatchNorm`` on CPU, a module not already
-wrapped in ``DistributedDataParallel``, a launcher whose world size matches ``devices × num_nodes``); the rest
-are Horovod's (an MPI launcher, the MPI controller, a power-of-2 world for its Adasum, no in-backward step
-with fp16 scaling, norm clipping or closures). Every message names the strategy in use and the fix. Each
-rule is a pure function of plain values, so it can be tested exhaustively without processes; the
-strategies (Trainer and Fabric) call them while they set up, before any training step. Every rank evaluates
-them on the same (gathered) values, so every rank raises the same :class:`AdasumConfigurationError` and the
-job exits instead of hanging in a collective.
+Each rule is a pure function of plain values whose error names the strategy and the fix; the strategies call
+them on every rank, on the same values, before the first step.
 
-Sources for Horovod's rules: Horovod 0.28.1 ``horovod/torch/mpi_ops.py`` (CPU Adasum needs a power-of-2
-world size), ``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum:
-reduce-scatter inside a node, Adasum across nodes, power-of-2 node count, homogeneous nodes),
-``horovod/common/operations.cc`` (Adasum is registered for MPI only), ``horovod/torch/optimizer.py``
-(the local step runs inside the backward hook; ``gradient_predivide_factor`` needs op=Average).
+Sources for Horovod's rules (0.28.1): ``horovod/torch/mpi_ops.py`` (CPU Adasum: power-of-2 world size),
+``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum: homogeneous
+power-of-2 nodes), ``horovod/common/operations.cc`` (Adasum for MPI only), ``horovod/torch/optimizer.py`` (the
+local step runs in the backward hook; ``gradient_predivide_factor`` needs op=Average).
 """
 
 from __future__ import annotations
 
-import contextlib
-import pickle
-import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from adasum_lightning.launchers import DetectedLauncher
-from adasum_lightning.ops import is_power_of_two
+from adasum_lightning.ops import is_power_of_two, nearest_powers_of_two
 
 __all__ = [
     "AdasumConfigurationError",
-    "nearest_powers_of_two",
     "check_world_size",
     "check_nccl_topology",
     "check_controller",
@@ -47,30 +34,22 @@ __all__ = [
     "check_horovod_dtypes",
     "check_sync_batchnorm",
     "check_launcher_world_size",
-    "reported_on_every_rank",
     "check_uneven_inputs",
-    "scaled_learning_rate_message",
     "check_skipped_backward_passes",
+    "check_overlap_backward",
+    "overlap_fallback_reason",
     "clipping_refused",
     "unreadable_checkpoint",
-    "CHECKPOINT_READ_ERRORS",
+    "identical_gradients_message",
+    "scaled_learning_rate_message",
 ]
 
 
 class AdasumConfigurationError(ValueError):
     """A configuration the strategy cannot run correctly; the message names the fix.
 
-    A ``ValueError`` (not Lightning's ``MisconfigurationException``) so that it is the same class whichever
-    Lightning package is in use.
+    A ``ValueError``, not Lightning's ``MisconfigurationException``: one class under either Lightning package.
     """
-
-
-def nearest_powers_of_two(n: int) -> list[int]:
-    """The powers of 2 just below and just above ``n`` (one value when ``n`` < 2 or a power of 2)."""
-    if n < 1:
-        return [1]
-    lower = 1 << (n.bit_length() - 1)
-    return [lower] if lower == n else [lower, lower * 2]
 
 
 def _sizes(n: int) -> str:
@@ -78,9 +57,7 @@ def _sizes(n: int) -> str:
 
 
 def check_world_size(size: int) -> None:
-    """CPU (MPI) Adasum: the world size must be a power of 2.
-
-    Horovod otherwise raises ``NotImplementedError`` in the middle of the first step.
+    """CPU (MPI) Adasum needs a power-of-2 world size; Horovod would fail in the first step otherwise.
 
     Raises:
         AdasumConfigurationError: naming the nearest valid sizes.
@@ -94,15 +71,14 @@ def check_world_size(size: int) -> None:
 
 
 def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
-    """NCCL GPU Adasum: power-of-2 node count and GPUs per node, the same on every node.
+    """NCCL GPU Adasum needs a power-of-2 node count and GPUs per node, the same on every node.
 
     Args:
         size: world size (processes in the job).
-        local_sizes: every rank's ``hvd.local_size()`` (processes on its node), in rank order.
+        local_sizes: every rank's ``hvd.local_size()``, in rank order.
 
     Returns:
-        A warning text when the job has a single node (Adasum then degenerates to averaging inside the
-        node), else None.
+        A warning text for a single node (Adasum then averages inside the node), else None.
 
     Raises:
         AdasumConfigurationError: heterogeneous nodes, or a node count or local size not a power of 2.
@@ -136,7 +112,7 @@ def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
 
 
 def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) -> None:
-    """Adasum is implemented for the MPI controller only.
+    """Adasum exists for Horovod's MPI controller only.
 
     Args:
         mpi_built, mpi_enabled, gloo_enabled: ``hvd.mpi_built()``, ``hvd.mpi_enabled()``,
@@ -162,14 +138,10 @@ def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) 
 def check_cpu_operations(
     *, mpi_enabled: bool, cpu_operations: str | None, strategy_name: str = "a Horovod strategy"
 ) -> None:
-    """The MPI controller with Gloo CPU operations crashes (both strategies).
-
-    Under ``mpirun``/``horovodrun --mpi`` with ``HOROVOD_CPU_OPERATIONS=gloo`` Horovod's Gloo collectives
-    segfault (in the first broadcast, or after an Adasum allreduce over MPI in the next allgather). Gloo
-    operations need the Gloo controller.
+    """Gloo CPU operations under the MPI controller crash Horovod (a segfault in a collective).
 
     Args:
-        mpi_enabled: ``hvd.mpi_enabled()`` (the MPI controller is in use).
+        mpi_enabled: ``hvd.mpi_enabled()``.
         cpu_operations: the ``HOROVOD_CPU_OPERATIONS`` environment variable (None when unset).
         strategy_name: the strategy's registered name, for the message.
 
@@ -186,11 +158,10 @@ def check_cpu_operations(
 
 
 def check_precision(precision: str) -> None:
-    """fp16 mixed precision (GradScaler) cannot work with Adasum.
+    """fp16 mixed precision (GradScaler) cannot work with Horovod's Adasum; ``"bf16-mixed"`` works.
 
-    The scaler unscales gradients and skips steps with inf/NaN *after* backward, but Horovod's Adasum
-    optimizer has already taken the local step inside backward on the scaled gradients (Horovod #3429:
-    NaN loss). ``"bf16-mixed"`` needs no scaler and works.
+    The scaler unscales and skips steps after backward, but the local step already ran inside backward on the
+    scaled gradients: NaN loss (https://github.com/horovod/horovod/issues/3429).
 
     Raises:
         AdasumConfigurationError: for ``"16-mixed"`` (Lightning's name for ``precision=16``).
@@ -205,11 +176,9 @@ def check_precision(precision: str) -> None:
 
 
 def check_gradient_clipping(value: float | None, algorithm: str | None) -> None:
-    """Norm clipping cannot take effect with Adasum; value clipping is applied inside the hook.
+    """Norm clipping cannot take effect with Horovod's Adasum; value clipping is applied inside the hook.
 
-    Clipping by norm needs the norm over all parameters before any update, but Adasum updates each
-    parameter as soon as its gradient is ready. Clipping by value is per element, so the strategy
-    applies it to each gradient right before that parameter's local step.
+    The norm needs every gradient before any update; Adasum updates each parameter as its gradient is ready.
 
     Raises:
         AdasumConfigurationError: ``gradient_clip_val`` set with ``gradient_clip_algorithm="norm"``.
@@ -267,8 +236,7 @@ def check_single_device(strategy_name: str, tensors: Iterable[torch.Tensor]) -> 
 
 
 def check_module_unwrapped(strategy_name: str, wrapped_in_ddp: bool) -> None:
-    """A module already wrapped in ``DistributedDataParallel`` would average its gradients in backward before
-    the Adasum of the updates: two reductions, the first one undoing Adasum's point.
+    """A module already wrapped in ``DistributedDataParallel`` would average its gradients before Adasum.
 
     Raises:
         AdasumConfigurationError: when ``wrapped_in_ddp``.
@@ -290,19 +258,18 @@ def check_launch(
 ) -> None:
     """A Horovod strategy in a process that Horovod sees alone, though more were meant to train together.
 
-    Horovod learns its world from an MPI or Horovod launcher. Under ``torchrun``, SLURM's ``srun`` or plain
-    ``python`` each process is a world of 1 and would train alone, every one of them as "rank 0" writing the
-    same files. Checked right after ``hvd.init()``, before any collective.
+    Under ``torchrun``, ``srun`` or plain ``python`` each process is a Horovod world of 1 and trains alone.
 
     Args:
         horovod_size: ``hvd.size()``.
         launcher: :func:`adasum_lightning.launchers.detect_launcher` (None for a plain start).
-        requested_devices: the number of devices the ``Trainer`` (or ``Fabric``) was given (``devices=N``).
+        requested_devices: the ``devices`` the ``Trainer`` (or ``Fabric``) was given.
         api: ``"Trainer"`` or ``"Fabric"``, in the message.
+        strategy_name: the strategy's registered name, for the message.
 
     Raises:
-        AdasumConfigurationError: Horovod sees a world of 1 while the launcher started N > 1 processes, or
-            while ``devices`` asks for N > 1; the message names the launcher seen and ``horovodrun -np N``.
+        AdasumConfigurationError: a world of 1 while the launcher started N > 1 processes or ``devices`` asks
+            for N > 1; the message names the launcher seen and ``horovodrun -np N``.
     """
     if horovod_size != 1:
         return
@@ -326,11 +293,9 @@ def check_launch(
 
 
 def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Sequence[str]) -> None:
-    """``horovod_adasum`` cannot run an optimizer whose ``step`` requires a closure (e.g. ``LBFGS``).
+    """Horovod's Adasum cannot run an optimizer whose ``step`` requires a closure (e.g. ``LBFGS``).
 
-    Horovod's Adasum optimizer runs the wrapped optimizer's ``step()`` inside the backward hook of each
-    parameter, without a closure (``horovod/torch/optimizer.py``); LBFGS re-evaluates the loss many times
-    per step and needs one.
+    Its optimizer runs the wrapped ``step()`` inside each parameter's backward hook, without a closure.
 
     Args:
         strategy_name: the strategy's registered name, for the message.
@@ -350,18 +315,15 @@ def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Seq
 
 
 def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[torch.dtype]) -> None:
-    """Horovod 0.28.1's CPU collectives have no bfloat16: parameters in bfloat16 cannot be reduced.
-
-    ``precision="bf16-true"`` (or a model cast to bfloat16) fails at the first allreduce ("Tensor type
-    torch.BFloat16Tensor is not supported"). ``"bf16-mixed"`` keeps float32 weights and works.
+    """Horovod 0.28.1's CPU collectives have no bfloat16: bfloat16 parameters cannot be reduced on CPU.
 
     Args:
         strategy_name: the strategy's registered name, for the message.
-        device_type: the device the parameters are on (``"cpu"``, ``"cuda"``); GPUs are not checked.
+        device_type: the parameters' device (``"cpu"``, ``"cuda"``); GPUs are not checked.
         dtypes: the dtypes of the parameters that require a gradient.
 
     Raises:
-        AdasumConfigurationError: a bfloat16 parameter on CPU.
+        AdasumConfigurationError: a bfloat16 parameter on CPU (``precision="bf16-true"`` or a bfloat16 model).
     """
     if device_type == "cpu" and torch.bfloat16 in set(dtypes):
         raise AdasumConfigurationError(
@@ -375,10 +337,6 @@ def check_sync_batchnorm(
     device_type: str, requested: bool, sync_layers: Sequence[str], strategy_name: str = "this strategy"
 ) -> None:
     """Synchronised batch norm needs an accelerator: torch's ``SyncBatchNorm`` refuses CPU tensors.
-
-    Under DDP the statistics of ``SyncBatchNorm`` layers are synchronised over the process group; on CPU
-    torch raises ("SyncBatchNorm expected input tensor to be on GPU …") in the first forward pass. This
-    rule says so before any training step.
 
     Args:
         device_type: the device the module is on.
@@ -413,10 +371,8 @@ def check_launcher_world_size(
 ) -> None:
     """The processes a launcher started must be the ``Trainer``'s (or ``Fabric``'s) ``devices × num_nodes``.
 
-    Under Lightning's generic cluster environment (Azure ML PyTorch jobs, a hand-set ``MASTER_ADDR``/
-    ``NODE_RANK``/``LOCAL_RANK``) Lightning computes each rank as ``node_rank × devices + local_rank`` and the
-    world size as ``devices × num_nodes``, and does not compare them with the launcher's ``WORLD_SIZE``: a
-    mismatch gives duplicate ranks or a rendezvous that waits forever.
+    Lightning's generic cluster environment does not compare them with ``WORLD_SIZE``: a mismatch gives
+    duplicate ranks or a rendezvous that waits forever.
 
     Raises:
         AdasumConfigurationError: ``launcher_world_size`` ≠ ``devices × num_nodes``; the message names both.
@@ -440,33 +396,8 @@ def unreadable_checkpoint(path: object, err: BaseException, rank: int) -> Runtim
     )
 
 
-#: What ``torch.load`` raises for a file it cannot read (a corrupt pickle stream can also fail in a memo
-#: lookup: ``KeyError``, ``IndexError``).
-CHECKPOINT_READ_ERRORS = (
-    pickle.UnpicklingError,
-    EOFError,
-    RuntimeError,
-    ValueError,
-    OSError,
-    KeyError,
-    IndexError,
-)
-
-
-@contextlib.contextmanager
-def reported_on_every_rank(rank: int) -> Iterator[None]:
-    """Print a refused configuration on this rank at once: when the first rank exits, the launcher kills the
-    others, which could then die before Python prints their traceback."""
-    try:
-        yield
-    except AdasumConfigurationError as err:
-        print(f"AdasumConfigurationError on rank {rank}: {err}", file=sys.stderr, flush=True)
-        raise
-
-
 def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:
-    """A strategy's (or ``EvenBatches``') ``uneven_inputs``: ``"truncate"`` or ``"error"``
-    (:mod:`adasum_lightning.uneven`); ``owner`` names it in the message.
+    """``uneven_inputs`` of a strategy or ``EvenBatches``: ``"truncate"`` or ``"error"``; ``owner`` names it.
 
     Raises:
         ValueError: anything else, naming the two values.
@@ -484,9 +415,7 @@ def check_skipped_backward_passes(
 ) -> None:
     """``fabric.no_backward_sync`` may skip at most ``backward_passes_per_step`` − 1 passes before a step.
 
-    Horovod's hooks reduce on the ``backward_passes_per_step``-th backward pass since the last step and cannot
-    be paused: a further pass would be reduced (under Adasum, its local step taken on partial gradients), or
-    fail in Horovod's hook.
+    Horovod's hooks cannot be paused: they reduce at the ``backward_passes_per_step``-th pass since a step.
 
     Raises:
         AdasumConfigurationError: ``skipped`` ≥ ``backward_passes_per_step``; the message names the setting.
@@ -505,8 +434,11 @@ def check_skipped_backward_passes(
 
 
 def clipping_refused(strategy_name: str, algorithm: str, value: float) -> AdasumConfigurationError:
-    """The error for ``fabric.clip_gradients`` under Horovod's Adasum: it comes after the local step, which
-    ran inside backward (``algorithm``: ``"norm"`` for ``max_norm``, ``"value"`` for ``clip_val``)."""
+    """The error for ``fabric.clip_gradients`` under Horovod's Adasum, whose local step ran inside backward.
+
+    Args:
+        algorithm: ``"norm"`` for ``max_norm``, ``"value"`` for ``clip_val``.
+    """
     if algorithm == "norm":
         what = f"clip gradients by norm (fabric.clip_gradients(max_norm={value}))"
         why = "before the norm over all parameters is known"
@@ -521,9 +453,10 @@ def clipping_refused(strategy_name: str, algorithm: str, value: float) -> Adasum
 
 
 def identical_gradients_message(owner: str) -> str:
-    """The warning when every rank's gradients are bitwise identical at the first step: the Adasum of equal
-    updates is that update, so nothing is combined — most often a model still wrapped in
-    ``DistributedDataParallel`` (its backward averages the gradients), else the same batches on every rank."""
+    """The warning when every rank's first gradients are bitwise identical: Adasum then combines nothing.
+
+    Most often a model still wrapped in ``DistributedDataParallel``, else the same batches on every rank.
+    """
     return (
         f"{owner}: every rank's gradients were identical at the first step, so the Adasum of their updates "
         "is one rank's update and Adasum combines nothing. If the model is wrapped in "
@@ -534,12 +467,7 @@ def identical_gradients_message(owner: str) -> str:
 
 
 def scaled_learning_rate_message(strategy_name: str, factor: float) -> str:
-    """The warning when a strategy multiplies the learning rates that the module (or ``Tuner.lr_find``) set.
-
-    ``horovod`` averages gradients, so with ``lr_scaling="auto"`` it multiplies every learning rate by the
-    world size (pytorch-lightning 1.x's policy) — after ``configure_optimizers`` and after a tuner has written
-    its suggestion there, so without this warning a tuned rate would silently train ``factor`` times larger.
-    """
+    """The warning when a strategy multiplied the learning rates the module (or ``Tuner.lr_find``) set."""
     return (
         f"{strategy_name} multiplied every learning rate by {factor:g} (lr_scaling): the rates your "
         f"configure_optimizers returns (a Tuner.lr_find suggestion included) train {factor:g}× larger. Pass "
@@ -575,22 +503,16 @@ def overlap_fallback_reason(
     precision_plugin: str | None,
     before_step_hooks: Sequence[str],
 ) -> str | None:
-    """Why ``overlap_backward=True`` must take the whole step after backward for this optimizer, or None.
-
-    Stepping a bucket as soon as its gradients are accumulated gives the whole step's parameters only when
-    nothing between backward and the step needs all gradients or the parameters as they were.
+    """Why ``overlap_backward=True`` must take the whole step after backward, or None when it need not.
 
     Args:
         automatic_optimization: the LightningModule's ``automatic_optimization``.
-        optimizer: the optimizer's class name; ``per_parameter``: whether it is one of
-            :data:`adasum_lightning.step.PER_PARAMETER_OPTIMIZERS` (each parameter's step from its own
-            gradient and state, no closure).
+        optimizer: the optimizer's class name.
+        per_parameter: whether it is one of :data:`adasum_lightning.step.PER_PARAMETER_OPTIMIZERS`.
         gradient_clipping: how gradients are clipped (e.g. ``"gradient_clip_val=1.0"``); None: not clipped.
-        gradient_scaler: fp16 mixed precision's ``GradScaler`` unscales and checks every gradient first.
-        precision_plugin: the precision plugin's class name when it runs the optimizer step its own way
-            (other than ``Precision``'s and ``MixedPrecision``'s), else None.
-        before_step_hooks: overrides that run between backward and the step, as ``Class.hook``
-            (``on_after_backward``, ``on_before_optimizer_step``, the module's ``backward``).
+        gradient_scaler: fp16 mixed precision's ``GradScaler`` is in use.
+        precision_plugin: the precision plugin's class name when it runs the step its own way, else None.
+        before_step_hooks: overrides between backward and the step, as ``Class.hook``.
     """
     if not automatic_optimization:
         return "manual optimization calls backward and step itself"

@@ -38,7 +38,7 @@ from benchmarks.common import (
     write_results,
 )
 
-#: ``make bench``: sized for ≈ 60 minutes on a 2-core machine (see docs/benchmarks.md).
+#: ``make bench``: sized for a 2-core machine (its duration: docs/benchmarks.md).
 FULL = {
     "target": 0.99,
     "lower_target": 0.985,
@@ -74,7 +74,7 @@ FULL = {
     "local_sgd_throughput_steps": {"mlp": 60},
 }
 
-#: ``make bench-quick``: the same pipeline, reduced to fit in under 10 minutes.
+#: ``make bench-quick``: the same pipeline, reduced (its time limit: docs/development.md).
 QUICK = {
     **FULL,
     "target": 0.98,

@@ -126,7 +126,7 @@ def prepared_root(directory: str | None = None) -> str:
 
 def onecycle_steps(epochs: int, world_size: int, batch_size: int, n: int = N_TRAIN) -> int:
     """Optimizer steps in ``epochs`` epochs at ``world_size`` ranks (DistributedSampler shards)."""
-    from adasum_lightning.simulate import steps_per_epoch
+    from benchmarks.simulate import steps_per_epoch
 
     return epochs * steps_per_epoch(n, world_size, batch_size)
 

@@ -292,7 +292,7 @@ def write_report(directory: Path, quick: bool = False) -> Path:
     # ------------------------------------------------------------------ simulated
     if val:
         md += [
-            "## 2. Simulated workers (`adasum_lightning.simulate`)",
+            "## 2. Simulated workers (`benchmarks/simulate.py`)",
             "",
             "### Validation against real Horovod",
             "",

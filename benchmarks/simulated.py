@@ -1,4 +1,4 @@
-"""Simulated workers on real MNIST (``adasum_lightning.simulate``): validation, then N = 8 … 64.
+"""Simulated workers on real MNIST (:mod:`benchmarks.simulate`): validation, then N = 8 … 64.
 
 - Validation: real ``horovodrun`` jobs (N = 2 and 4, Adasum; N = 4, averaging) train the study's model
   for ``validation_steps`` steps; the simulator replays them from the same seed and data order; the
@@ -18,8 +18,8 @@ import pytorch_lightning as pl
 import torch
 from tqdm.auto import tqdm
 
-from adasum_lightning.simulate import simulate
 from benchmarks.common import BenchNet, command_line, horovodrun, logs_for, onecycle_steps, tensor_split
+from benchmarks.simulate import simulate
 
 
 def validate(cfg: dict, lr: float, root: str, out_dir: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 """What one GPU can check, in one script (``make gpu-check``): one line per check, under 10 minutes.
 
-    python tests/gpu_check.py [--only NAME ...] [--timeout S]
+    python -m tests.gpu_check [--only NAME ...] [--timeout S]     # from the repository root
 
 Each check runs in a process of its own (a timeout each; a crash fails that line only) and prints
 ``ok: NAME: detail (N s)``, ``FAILED: NAME: reason`` or, on a machine without a CUDA device,
@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 #: Self-test only (tests/test_gpu_check.py): "cpu" runs the checks' code on the CPU (Gloo instead of NCCL).
 SELFTEST_CPU = os.environ.get("ADASUM_GPU_CHECK_SELFTEST") == "cpu"
@@ -294,7 +292,7 @@ def run(names: list[str], timeout: float) -> int:
             python = str(horovod_python) if needs_horovod else sys.executable
             try:
                 proc = subprocess.run(
-                    [python, str(Path(__file__).resolve()), "--run-one", name],
+                    [python, "-m", "tests.gpu_check", "--run-one", name],
                     capture_output=True,
                     text=True,
                     env=_env(),

@@ -14,11 +14,10 @@ import pytest
 
 from adasum_lightning import fault_tolerance
 from adasum_lightning.aml import cli
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     DEFAULT_TRAINING_ARGS,
     AmlJob,
-    AmlSubmitError,
-    AmlUsageError,
     lookup_vm_size,
     timedelta_arg,
 )

@@ -13,12 +13,11 @@ import yaml
 
 from adasum_lightning import fault_tolerance
 from adasum_lightning.aml import cli, sdk_v1, sdk_v2
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     DEFAULT_BASE_IMAGE,
     DEFAULT_DDP_BASE_IMAGE,
     AmlJob,
-    AmlSubmitError,
-    AmlUsageError,
     timedelta_arg,
 )
 from adasum_lightning.aml.staging import constraints, stage_job

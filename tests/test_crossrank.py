@@ -152,14 +152,9 @@ def test_all_gather_with_gradients_sums_them_like_ddp(strategy, cases):
 
 
 # ---------------------------------------------------------------- 6: torchmetrics with list states
-def metrics(strategy: str, kwargs: bool):
-    return crossrank("metrics", strategy, *(["--pass-horovod-sync-kwargs"] if kwargs else []))
-
-
-@pytest.mark.parametrize("strategy", compat_params(lambda s: [metrics(s, False), metrics(s, True)]))
-@pytest.mark.parametrize("kwargs", [False, True], ids=["plain", "horovod_sync_kwargs"])
-def test_torchmetrics_list_states_are_computed_over_every_rank(strategy, kwargs, cases):
-    ranks = cases[metrics(strategy, kwargs)].ranks
+@pytest.mark.parametrize("strategy", compat_params(lambda s: [crossrank("metrics", s)]))
+def test_torchmetrics_list_states_are_computed_over_every_rank(strategy, cases):
+    ranks = cases[crossrank("metrics", strategy)].ranks
     values, preds, targets = [], [], []
     for r in range(2):  # what the worker's ranks fed in (3 and 6 samples)
         count = 3 * (r + 1)

@@ -1,4 +1,4 @@
-"""``tests/gpu_check.py`` (``make gpu-check``), the prepared check for a GPU machine, tested without a GPU:
+"""``python -m tests.gpu_check`` (``make gpu-check``), the check for a GPU machine, tested without a GPU:
 one ``skipped: no GPU`` line per check, and the checks' own code run on the CPU (its self-test mode)."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from tests import gpu_check, gpu_wheel
-
-SCRIPT = str(gpu_check.__file__)
+from tests.helpers import ROOT
 
 
 def _run(*args: str, selftest: bool = False, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -20,7 +19,12 @@ def _run(*args: str, selftest: bool = False, timeout: float = 400) -> subprocess
     if selftest:
         env["ADASUM_GPU_CHECK_SELFTEST"] = "cpu"
     return subprocess.run(
-        [sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "tests.gpu_check", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
     )
 
 

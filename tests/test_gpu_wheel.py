@@ -2,7 +2,7 @@
 
 The wheel is installed into a scratch venv and inspected (``tests/gpu_wheel.py`` says what each check
 proves). Skipped when this environment has no cached GPU wheel, unless ``ADASUM_REQUIRE_GPU_WHEEL=1`` (then a
-missing wheel fails): ``make gpu-wheel`` builds it (about 3 minutes on 2 cores) and ``.ci/run`` runs it before
+missing wheel fails): ``make gpu-wheel`` builds it and ``.ci/run`` runs it before
 ``make test``.
 """
 

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from adasum_lightning.ops import ADASUM_NORM_EPS, adasum, adasum_reduce, is_power_of_two
+from adasum_lightning.ops import (
+    ADASUM_NORM_EPS,
+    adasum,
+    adasum_reduce,
+    is_power_of_two,
+    nearest_powers_of_two,
+)
 
 
 def test_two_vectors_match_the_worked_example():
@@ -85,3 +91,15 @@ def test_bad_inputs_raise():
 
 def test_is_power_of_two():
     assert [n for n in range(0, 70) if is_power_of_two(n)] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_nearest_powers_of_two():
+    assert [nearest_powers_of_two(n) for n in (1, 2, 3, 5, 8, 12, 33)] == [
+        [1],
+        [2],
+        [2, 4],
+        [4, 8],
+        [8],
+        [8, 16],
+        [32, 64],
+    ]

@@ -243,27 +243,6 @@ def test_plain_install_imports_and_fits_without_the_examples_extra(tmp_path):
     assert lines[2:] == ["ddp_adasum 2 True", "horovod_adasum 2 True", "horovod 2 True"]
 
 
-def test_the_old_module_and_function_names_still_import():
-    # Renamed for readers (adasum_lightning.trainer, fault_tolerance, detect_launcher); the old import paths
-    # are thin aliases of the same objects.
-    import adasum_lightning.fault_tolerance as fault_tolerance
-    import adasum_lightning.launch_settings as launch_settings
-    import adasum_lightning.pytorch_lightning as old_trainer
-    import adasum_lightning.pytorch_lightning.ddp_adasum as old_ddp_adasum
-    import adasum_lightning.pytorch_lightning.horovod as old_horovod
-    import adasum_lightning.trainer as trainer
-    from adasum_lightning import launchers
-
-    assert launch_settings.mpi_env is fault_tolerance.mpi_env
-    assert launch_settings.DDP_PROCESS_GROUP_TIMEOUT == fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT
-    assert launchers.seen_launcher is launchers.detect_launcher
-    assert launchers.SeenLauncher is launchers.DetectedLauncher
-    for name in trainer.__all__:
-        assert getattr(old_trainer, name) is getattr(trainer, name)
-    assert old_ddp_adasum.DDPAdasumStrategy is trainer.DDPAdasumStrategy
-    assert old_horovod.HorovodAdasumStrategy is trainer.HorovodAdasumStrategy
-
-
 @pytest.mark.parametrize("package", [_package_param(p) for p in PACKAGES])
 def test_lightnings_own_errors_are_the_ones_docs_limits_quotes(package):
     # docs/limits.md, "Lightning's own errors": the name unknown without `import adasum_lightning`, and a

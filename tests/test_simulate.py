@@ -1,11 +1,11 @@
-"""The in-process simulator (adasum_lightning.simulate): arithmetic, errors, and a match with real Horovod."""
+"""The in-process simulator (benchmarks/simulate.py): arithmetic, errors, and a match with real Horovod."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from adasum_lightning.ops import adasum
-from adasum_lightning.simulate import simulate, steps_per_epoch
+from benchmarks.simulate import simulate, steps_per_epoch
 from tests.cases import Launch, case
 from tests.workers.lightning import pl
 from tests.workers.sim_match import BATCH, LR, SimNet, teacher_data  # noqa: E402

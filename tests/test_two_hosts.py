@@ -141,7 +141,7 @@ def test_horovod_adasum_across_two_hosts(even):
 @pytest.mark.walltime
 def test_a_loopback_master_addr_is_refused_on_every_rank(two_hosts, tmp_path, mnist_root):
     """``MASTER_ADDR=127.0.0.1`` exported to a job across two hosts: hostB could not reach rank 0's process
-    group there (before this check the job hung at the rendezvous). Every rank says so, before any step."""
+    group there, so the rendezvous would wait. Every rank says so, before any step."""
     if mnist_root is None:
         pytest.skip("MNIST is not available (no shared copy, no network)")
     hosts = two_hosts
@@ -206,7 +206,7 @@ def test_uneven_placement_node_rank(uneven):
 def test_lost_host_ends_a_horovod_job(two_hosts, tmp_path, mnist_root):
     """The link to hostB goes down mid-training: with ``MPI_FAULT_SETTINGS`` (as horovodrun's
     ``--mpi-args``) every process on both hosts is gone within 60 s, horovodrun exits non-zero and
-    mpirun names the lost host. Without them the job hung 481 s (Open MPI's default keepalive)."""
+    mpirun names the lost host. Without them Open MPI's default keepalive waits about 480 s."""
     if mnist_root is None:
         pytest.skip("MNIST is not available (no shared copy, no network)")
     hosts, log = two_hosts, tmp_path / "launcher.log"

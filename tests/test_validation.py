@@ -26,7 +26,6 @@ from adasum_lightning.validation import (
     check_single_device,
     check_sync_batchnorm,
     check_world_size,
-    nearest_powers_of_two,
     overlap_fallback_reason,
 )
 from tests.helpers import ROOT, mpi_env, quick_fit
@@ -44,18 +43,6 @@ def test_world_size_rule(size):
     lower = 1 << (size.bit_length() - 1)
     assert f"power of 2 (1, 2, 4, 8, …) for Adasum over MPI; this job has {size} processes" in str(info.value)
     assert f"Launch {lower} or {2 * lower} processes" in str(info.value)
-
-
-def test_nearest_powers_of_two():
-    assert [nearest_powers_of_two(n) for n in (1, 2, 3, 5, 8, 12, 33)] == [
-        [1],
-        [2],
-        [2, 4],
-        [4, 8],
-        [8],
-        [8, 16],
-        [32, 64],
-    ]
 
 
 @pytest.mark.parametrize("nodes", range(1, 10))

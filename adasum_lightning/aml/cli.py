@@ -9,13 +9,9 @@
     adasum-aml submit --local 2 train.py --input data=./data -- --data-dir '${{inputs.data}}'
     adasum-aml submit --strategy ddp_adasum --stream train.py # a PyTorch job; follow its logs
 
-``--strategy horovod_adasum`` (default) and ``horovod`` submit an Azure ML MPI job; ``ddp_adasum`` a
-PyTorch job (Azure ML starts one process per GPU and sets the torch.distributed variables). With no SCRIPT
-the bundled MNIST example is submitted. See docs/azure_ml.md.
-
-Exit codes: 0 success; 1 submission failed (network, authentication, Azure); 2 bad input (the message
-names the fix; nothing was sent to Azure); 3 ``--stream``: the job ended without completing; otherwise
-the local run's exit code.
+The Horovod strategies submit an Azure ML MPI job, ``ddp_adasum`` a PyTorch job (docs/azure_ml.md). Exit
+codes: 0 success; 1 submission failed (network, authentication, Azure); 2 bad input (nothing was sent); 3
+``--stream``: the job ended without completing; otherwise the local run's exit code.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     DEFAULT_BASE_IMAGE,
     DEFAULT_CLUSTER,
@@ -39,8 +36,6 @@ from adasum_lightning.aml.job import (
     DEFAULT_VM_SIZE,
     STRATEGIES,
     AmlJob,
-    AmlSubmitError,
-    AmlUsageError,
 )
 from adasum_lightning.aml.workspace import load_workspace_config, redact
 
@@ -267,9 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``(launcher arguments, training arguments)``: LightningCLI options (:data:`PASS_THROUGH_PREFIXES`)
-    given before ``--``, with the bare value after one written without ``=`` (``--trainer.x 2``), go to the
-    script."""
+    """``(launcher arguments, training arguments)``: LightningCLI options before ``--`` go to the script.
+
+    An option's bare value (``--trainer.x 2``) goes with it.
+    """
     launcher, training = [], []
     argv = list(argv)
     i = 0
@@ -356,8 +352,7 @@ def _warn_about_the_script(script: str, facts, trainer_args: bool, strategy: str
 
 
 def _check_staging_dir(staging_dir: str | None, source_dir: Path | None) -> None:
-    """Refuse a ``--staging-dir`` that is a file, is not empty, or lies inside the source directory (its
-    files would become part of the next snapshot)."""
+    """Refuse a ``--staging-dir`` that is a file, not empty, or inside the source directory."""
     if not staging_dir:
         return
     path = Path(staging_dir).expanduser()
@@ -376,8 +371,11 @@ def _check_staging_dir(staging_dir: str | None, source_dir: Path | None) -> None
 
 
 def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
-    """The validated :class:`AmlJob` for parsed arguments and the project's source directory (``None`` for
-    the bundled example). Raises :class:`AmlUsageError`."""
+    """The validated :class:`AmlJob` and the project's source directory (``None``: the bundled example).
+
+    Raises:
+        AmlUsageError: any invalid argument or file.
+    """
     from adasum_lightning.aml.project import check_script, parse_bindings, read_requirements, script_facts
     from adasum_lightning.aml.staging import constraints, image_dependencies
 

@@ -1,18 +1,9 @@
-"""The SDK-independent description of the Azure ML training job, validated when it is created.
+"""The SDK-independent description of an Azure ML training job (:class:`AmlJob`), validated on creation.
 
-:class:`AmlJob` holds everything both backends (:mod:`.sdk_v1`, :mod:`.sdk_v2`) and the local smoke test
-(:mod:`.local`) need: the strategy (which decides the kind of job), experiment and compute-cluster names,
-VM size, topology (nodes × processes per node, one process per GPU), cluster scaling bounds, the training
-command, environment variables and the base image of the job environment. Nothing here imports an Azure
-SDK.
-
-Two kinds of job:
-
-- ``horovod_adasum`` / ``horovod``: an Azure ML **MPI** job. Azure ML builds the ``mpirun`` and starts the
-  training command once per process; the image has Open MPI and Horovod. The job's environment variables
-  carry Open MPI's fault settings (:func:`adasum_lightning.fault_tolerance.mpi_env`).
-- ``ddp_adasum``: an Azure ML **PyTorch** job (SDK v2 ``PyTorchDistribution``, v1 ``PyTorchConfiguration``);
-  no MPI, no Horovod. What Azure ML sets there and how Lightning reads it: see :data:`AML_PYTORCH_VARIABLES`.
+The backends (:mod:`.sdk_v1`, :mod:`.sdk_v2`) and ``--local`` (:mod:`.local`) build from it.
+``horovod_adasum`` and ``horovod`` run as an Azure ML **MPI** job (Azure ML builds the ``mpirun``; Open MPI's
+fault settings in the environment); ``ddp_adasum`` as a **PyTorch** job (see :data:`AML_PYTORCH_VARIABLES`).
+Imports no Azure SDK.
 """
 
 from __future__ import annotations
@@ -23,22 +14,11 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from adasum_lightning import fault_tolerance
-from adasum_lightning.ops import is_power_of_two
-from adasum_lightning.validation import nearest_powers_of_two
-
-if TYPE_CHECKING:
-    from adasum_lightning.aml.project import DataBinding
-
-
-class AmlUsageError(ValueError):
-    """Bad input (arguments, config file, topology, VM size): the message names the fix. CLI exit code 2."""
-
-
-class AmlSubmitError(RuntimeError):
-    """Submission failed at run time (no network, authentication, Azure error). CLI exit code 1."""
+from adasum_lightning.aml.errors import AmlUsageError
+from adasum_lightning.aml.project import DataBinding, check_placeholders
+from adasum_lightning.ops import is_power_of_two, nearest_powers_of_two
 
 
 @dataclass(frozen=True)
@@ -113,35 +93,28 @@ VM_SIZES: Mapping[str, VmSize] = MappingProxyType(
     }
 )
 
-#: Default VM size: 4 × T4 per VM keeps the seed's 8 nodes × 4 GPUs (its Standard_NC24, 4 × K80, is
-#: retired); the cheapest current 4-GPU size, and T4 (sm_75) is supported by CUDA 13 builds of PyTorch.
+#: Default VM size: the cheapest current 4-GPU size (4 × T4, sm_75, which CUDA 13 builds of PyTorch support).
 DEFAULT_VM_SIZE = "Standard_NC64as_T4_v3"
 DEFAULT_NODE_COUNT = 8
 DEFAULT_PROCESSES_PER_NODE = 4
 DEFAULT_CLUSTER = "adasum-nc64t4"
 DEFAULT_EXPERIMENT = "adasum-lightning-mnist"
-#: CUDA 13.0 *runtime* image, the CUDA release that PyTorch 2.14.1's registry wheels are built with: the
-#: Horovod build needs no devel image (``patches/build_horovod.sh --gpu`` compiles with nvcc, CCCL and cudart
-#: from the registry's cuda-toolkit wheels and NCCL from torch's, as ``make gpu-wheel`` tests). OpenMPI and
-#: Python come from Ubuntu 22.04.
+#: The CUDA 13.0 *runtime* image, torch 2.14.1's CUDA release: ``patches/build_horovod.sh --gpu`` compiles
+#: Horovod with the registry's cuda-toolkit wheels, so no devel image is needed.
 DEFAULT_BASE_IMAGE = "nvidia/cuda:13.0.0-runtime-ubuntu22.04"
-#: Base of the ``ddp_adasum`` image: nothing is compiled there (no Horovod), so the CUDA *runtime* image of
-#: the same release is enough (the torch wheels bring their own CUDA libraries and NCCL).
+#: Base of the ``ddp_adasum`` image, which compiles nothing (torch's wheels bring CUDA and NCCL).
 DEFAULT_DDP_BASE_IMAGE = "nvidia/cuda:13.0.0-runtime-ubuntu22.04"
 ENVIRONMENT_NAME = "adasum-lightning-horovod-nccl"
 #: Azure ML environment of ``ddp_adasum`` jobs (another image: its own name, so versions never mix).
 DDP_ENVIRONMENT_NAME = "adasum-lightning-ddp"
 
-#: Strategies ``adasum-aml submit --strategy`` accepts. The Horovod ones run as Azure ML MPI jobs,
-#: ``ddp_adasum`` as an Azure ML PyTorch job.
+#: Strategies ``adasum-aml submit --strategy`` accepts.
 STRATEGIES: tuple[str, ...] = ("horovod_adasum", "horovod", "ddp_adasum")
 MPI_STRATEGIES = frozenset({"horovod_adasum", "horovod"})
 DEFAULT_STRATEGY = "horovod_adasum"
 
-# Azure ML starts the processes of a PyTorch job itself and sets these; Lightning reads them through its
-# LightningEnvironment, which takes the world size from the Trainer's devices × num_nodes, not WORLD_SIZE:
-# why the job fixes both (docs/azure_ml.md, "How a ddp_adasum job starts").
-#: The variables Azure ML sets in every process of a PyTorch job (so ``--env`` must not set them).
+#: The variables Azure ML sets in every process of a PyTorch job (so ``--env`` must not set them). Lightning
+#: takes the world size from devices × num_nodes, not WORLD_SIZE: the job sets both (docs/azure_ml.md).
 AML_PYTORCH_VARIABLES: tuple[str, ...] = (
     "MASTER_ADDR",
     "MASTER_PORT",
@@ -150,23 +123,17 @@ AML_PYTORCH_VARIABLES: tuple[str, ...] = (
     "RANK",
     "LOCAL_RANK",
 )
-#: ``ddp_adasum`` is given as its class, so that LightningCLI accepts its ``timeout`` argument: the strategy
-#: *name* (``--trainer.strategy=ddp_adasum``) is a plain string to LightningCLI and takes no
-#: ``--trainer.strategy.timeout`` ("Expected a dot import path string"); the class path does, with a
-#: ``datetime.timedelta`` written as jsonargparse reads it, ``H:MM:SS`` (checked with pytorch_lightning's and
-#: lightning's LightningCLI, jsonargparse 4.53). ``adasum_lightning.DDPAdasumStrategy`` resolves to the class
-#: of whichever Lightning package the script imported.
+#: ``ddp_adasum`` as its class path, so that LightningCLI takes ``--trainer.strategy.timeout``
+#: (a strategy *name* takes no arguments); it resolves to the class of the Lightning package imported.
 DDP_STRATEGY_CLASS = "adasum_lightning.DDPAdasumStrategy"
-#: Shared memory of each job container (DataLoader workers pass batches through /dev/shm; Docker's 64 MB
-#: default is too small for them).
+#: Shared memory of each job container (DataLoader workers pass batches through /dev/shm).
 SHM_SIZE = "16g"
 #: Seconds an idle node waits before the cluster scales down (cost: min nodes 0 means no idle charge).
 IDLE_SECONDS_BEFORE_SCALEDOWN = 1800
 
-#: The training script inside the job's code snapshot (examples/mnist.py, next to adasum_lightning/).
+#: The bundled example's entry script in the code snapshot (examples/mnist.py).
 TRAINING_SCRIPT = "mnist.py"
-#: Arguments of the MNIST example on the cluster: one GPU per MPI process, Adasum, MNIST downloaded into
-#: ./data on each node, Lightning outputs in ./outputs (Azure ML uploads that folder with the run).
+#: The bundled example's cluster arguments: MNIST into ./data, outputs in ./outputs (uploaded by Azure ML).
 _COMMON_TRAINING_ARGS: tuple[str, ...] = (
     "--trainer.max_epochs=10",
     "--trainer.enable_progress_bar=false",
@@ -200,8 +167,10 @@ _ENVIRONMENT_RE = re.compile(
 
 
 def environment_reference(text: str) -> str:
-    """``--environment NAME[:VERSION]`` (or ``azureml:NAME:VERSION``, ``NAME@latest``) as Azure ML writes it:
-    ``azureml:NAME:VERSION`` or ``azureml:NAME@latest``.
+    """``--environment NAME[:VERSION]`` (or ``azureml:NAME:VERSION``, ``NAME@latest``) as Azure ML writes it.
+
+    Returns:
+        ``azureml:NAME:VERSION`` or ``azureml:NAME@latest``.
 
     Raises:
         AmlUsageError: not an environment reference (names the accepted forms).
@@ -245,7 +214,7 @@ def lookup_vm_size(name: str) -> VmSize:
     """The :class:`VmSize` called ``name`` (case-insensitive).
 
     Raises:
-        AmlUsageError: unknown size (lists the current 4- and 8-GPU sizes), or a retired one (says when and
+        AmlUsageError: an unknown size (lists the current 4- and 8-GPU sizes), or a retired one (says when,
             why, and what to use instead).
     """
     by_lower = {k.lower(): v for k, v in VM_SIZES.items()}
@@ -271,34 +240,28 @@ def _size_with_gpus(gpus: int) -> str:
 
 @dataclass(frozen=True)
 class AmlJob:
-    """One Azure ML training job of the MNIST example with an Adasum (or Horovod) strategy.
-
-    The job runs ``node_count × process_count_per_node`` processes, one per GPU: under Azure ML's
-    ``mpirun`` for the Horovod strategies (an MPI job), started by Azure ML itself for ``ddp_adasum`` (a
-    PyTorch job, see :data:`AML_PYTORCH_VARIABLES`).
+    """One Azure ML job (a process per GPU) training a Lightning script with an Adasum or Horovod strategy.
 
     Attributes:
+        experiment_name: the Azure ML experiment (letters, digits, ``_``, ``-``).
+        compute_name: the AmlCompute cluster (2–16 letters, digits or ``-``; starts with a letter); created on
+            first submit if missing.
+        vm_size: each node's VM size; current, with ≥ ``process_count_per_node`` GPUs.
+        node_count: nodes (default 8); a power of 2 for ``horovod_adasum``.
+        process_count_per_node: processes (= GPUs) per node (default 4); a power of 2 for ``horovod_adasum``.
+        min_nodes, max_nodes: the cluster's scaling bounds (0, and ``None`` for ``node_count``).
+        training_args: arguments of the script (for the bundled example: appended to its defaults).
+        environment_variables: extra job variables, merged over :data:`DEFAULT_ENVIRONMENT_VARIABLES` (and
+            Open MPI's fault settings for MPI jobs); names that look like secrets are refused.
+        base_image: the job image's base (``None``: the CUDA 13.0 runtime image, Ubuntu 22.04).
         strategy: ``"horovod_adasum"`` (default), ``"horovod"`` or ``"ddp_adasum"`` (:data:`STRATEGIES`).
-        experiment_name: Azure ML experiment the run is filed under (letters, digits, ``_``, ``-``).
-        compute_name: AmlCompute cluster name (2–16 characters: letters, digits, ``-``; starts with a
-            letter). Created on first submit if the workspace lacks it.
-        vm_size: Azure VM size of each node; must be current and have ≥ ``process_count_per_node`` GPUs.
-        node_count: nodes the job runs on (a power of 2 for ``horovod_adasum``: Horovod's Adasum combines
-            2^k nodes; any count for the others). Default 8.
-        process_count_per_node: processes (= GPUs used) per node (a power of 2 for ``horovod_adasum``).
-            Default 4.
-        min_nodes: cluster minimum size; 0 (default) means no node is billed while the cluster is idle.
-        max_nodes: cluster maximum size (≥ ``node_count``); ``None`` means ``node_count``.
-        training_args: extra arguments appended to the example's command line (LightningCLI: the last
-            value of an option wins), e.g. ``("--trainer.max_epochs=2",)``. The strategy, ``devices`` and
-            ``num_nodes`` follow ``strategy`` and the topology and cannot be changed here.
-        environment_variables: extra environment variables of the job (merged over
-            :data:`DEFAULT_ENVIRONMENT_VARIABLES`, and for MPI jobs over Open MPI's fault settings
-            :func:`adasum_lightning.fault_tolerance.mpi_env`). Names that look like secrets are refused: job
-            variables are visible in the run's details.
-        base_image: base image of the job environment's Dockerfile; ``None`` (default): the CUDA 13.0
-            *runtime* image (Ubuntu 22.04), for every strategy (the Horovod strategies' image compiles
-            Horovod with the CUDA compiler from the registry's wheels; ``ddp_adasum``'s compiles nothing).
+        script: the entry script in the source directory (``None``: the bundled MNIST example).
+        trainer_args: the script is a LightningCLI script: :meth:`strategy_args` are appended to its
+            arguments.
+        data: the ``--input``/``--output`` bindings (:class:`.project.DataBinding`).
+        requirements: extra pip requirements of the image.
+        environment: an existing Azure ML environment to run in (``azureml:NAME:VERSION``) instead of the
+            image.
 
     Raises:
         AmlUsageError: on creation, for any invalid field or combination (the message names the fix).
@@ -394,8 +357,6 @@ class AmlJob:
             raise AmlUsageError("the bundled MNIST example is a LightningCLI script: drop --trainer-args off")
         if self.trainer_args:
             self._check_training_args(args)
-        from adasum_lightning.aml.project import check_placeholders
-
         object.__setattr__(self, "data", tuple(self.data))
         object.__setattr__(self, "requirements", tuple(self.requirements))
         check_placeholders(args, self.data)
@@ -484,12 +445,10 @@ class AmlJob:
     def strategy_args(self) -> list[str]:
         """The Trainer arguments that follow from the strategy and the topology.
 
-        Horovod strategies: ``--trainer.strategy=NAME --trainer.accelerator=gpu --trainer.devices=1`` (one
-        GPU per MPI process). ``ddp_adasum``: the strategy's class with the process-group timeout
-        :data:`adasum_lightning.fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT` (a collective that waits that long
-        for a lost node fails instead of hanging), ``--trainer.accelerator=gpu``,
-        ``--trainer.devices=<processes per node>`` and ``--trainer.num_nodes=<nodes>`` (see
-        :data:`AML_PYTORCH_VARIABLES` for why both must match the job).
+        Horovod strategies: ``--trainer.strategy=NAME --trainer.accelerator=gpu --trainer.devices=1``.
+        ``ddp_adasum``: the strategy's class with the timeout
+        :data:`adasum_lightning.fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT`, ``--trainer.accelerator=gpu``,
+        ``--trainer.devices=<processes per node>`` and ``--trainer.num_nodes=<nodes>``.
         """
         if self.is_mpi:
             return [f"--trainer.strategy={self.strategy}", "--trainer.accelerator=gpu", "--trainer.devices=1"]
@@ -504,10 +463,11 @@ class AmlJob:
     def topology_variables(
         self, accelerator: str = "gpu", devices: int | None = None, nodes: int | None = None
     ):
-        """The :data:`TOPOLOGY_VARIABLES` every process of the job gets, for scripts that take no
-        ``--trainer.*`` arguments: ``ADASUM_STRATEGY`` (the strategy name), ``ADASUM_ACCELERATOR``,
-        ``ADASUM_DEVICES`` (the Trainer's ``devices``: 1 per MPI process, the GPUs per node for
-        ``ddp_adasum``) and ``ADASUM_NUM_NODES``. ``--local`` passes its own values."""
+        """The :data:`TOPOLOGY_VARIABLES` of every process, for scripts without ``--trainer.*`` arguments.
+
+        ``ADASUM_DEVICES`` is the Trainer's ``devices``: 1 per MPI process, the GPUs per node for
+        ``ddp_adasum``.
+        """
         return {
             "ADASUM_STRATEGY": self.strategy,
             "ADASUM_ACCELERATOR": accelerator,
@@ -523,13 +483,11 @@ class AmlJob:
     def training_command(
         self, python: str = "python", training_args: Sequence[str] | None = None
     ) -> list[str]:
-        """The command every process runs, as an argument list, e.g.
-        ``["python", "mnist.py", "fit", "--trainer.strategy=horovod_adasum", ...]``.
+        """The command every process runs, as an argument list, e.g. ``["python", "mnist.py", "fit", ...]``.
 
         The bundled example: ``fit``, :meth:`strategy_args`, its cluster defaults, then the training
-        arguments. A user's script: its arguments, then :meth:`strategy_args` when ``trainer_args`` (a
-        LightningCLI script; the job's topology wins over a config file), else nothing more (the script reads
-        :meth:`topology_variables`).
+        arguments. A user's script: its arguments, then :meth:`strategy_args` when ``trainer_args`` (the job's
+        topology wins over a config file).
 
         Args:
             python: interpreter to start (``"python"`` on the cluster: the image's venv is first on PATH).

@@ -1,18 +1,8 @@
-"""``--local N``: the job's training command on this machine, N CPU processes.
+"""``--local N``: the job's training command on this machine, N CPU processes, started as Azure ML would.
 
-A smoke test before paying for a cluster: the same code snapshot and the same command line as the job
-(:meth:`.job.AmlJob.training_command`), with ``${{inputs.NAME}}`` / ``${{outputs.NAME}}`` bound to the
-local folders given as ``--input NAME=PATH`` / ``--output NAME=PATH``. A LightningCLI script also gets
-overrides for a CPU run of a few batches (LightningCLI keeps the last value of an option); a script without
-``--trainer.*`` arguments reads the CPU topology from :func:`local_topology`. The job's environment
-variables are set too. The processes start as they would on Azure ML:
-
-- Horovod strategies (an MPI job): under ``horovodrun`` (Open MPI);
-- ``ddp_adasum`` (a PyTorch job): N processes started here directly, each with the variables an Azure ML
-  PyTorch job sets (:data:`.job.AML_PYTORCH_VARIABLES`: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-  ``NODE_RANK``, ``RANK``, ``LOCAL_RANK``) on one node: the same path through Lightning's
-  ``LightningEnvironment`` as on the cluster (not ``torchrun``, whose ``TORCHELASTIC_RUN_ID`` would select
-  ``TorchElasticEnvironment`` instead). When one process fails, the others are stopped.
+The same code snapshot, command line and environment variables as the job, with ``${{inputs.NAME}}`` /
+``${{outputs.NAME}}`` bound to local folders. ``ddp_adasum`` runs N processes with an Azure ML PyTorch job's
+variables (:data:`.job.AML_PYTORCH_VARIABLES`), not ``torchrun``, so Lightning takes the cluster's path.
 """
 
 from __future__ import annotations
@@ -29,15 +19,15 @@ from pathlib import Path
 
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob, AmlUsageError, is_power_of_two
+from adasum_lightning.aml.errors import AmlUsageError
+from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob
 from adasum_lightning.aml.project import bind_placeholders
 from adasum_lightning.aml.staging import stage_code
 from adasum_lightning.horovod_support import missing_horovod_message
+from adasum_lightning.ops import is_power_of_two
 
-#: Inherited variables of other launchers and schedulers, removed from a ``ddp_adasum`` local run so that
-#: Lightning sees only what an Azure ML PyTorch job sets (e.g. ``TORCHELASTIC_RUN_ID`` would select
-#: ``TorchElasticEnvironment``, ``SLURM_NTASKS`` ``SLURMEnvironment``, ``OMPI_COMM_WORLD_RANK`` the rank
-#: that ``adasum_lightning`` gives Lightning's rank-zero logging).
+#: Variables of other launchers, removed from a ``ddp_adasum`` local run so that Lightning sees only what an
+#: Azure ML PyTorch job sets (``TORCHELASTIC_RUN_ID`` would select ``TorchElasticEnvironment``, and so on).
 _OTHER_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "HOROVOD_", "SLURM_", "LSB_", "JSM_")
 _OTHER_LAUNCHER_NAMES = ("GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")
 
@@ -48,8 +38,7 @@ def local_overrides(
     """Arguments appended to a LightningCLI script's command for a CPU smoke run.
 
     Args:
-        data_dir: torchvision MNIST root (``DIR/MNIST/raw``) of the bundled example; ``None`` for a user's
-            script (its data comes from ``--input``).
+        data_dir: the bundled example's MNIST root (``DIR/MNIST/raw``); ``None`` for a user's script.
         output_dir: Lightning's ``default_root_dir``.
         batches: training and validation batches per process (one epoch).
     """
@@ -64,8 +53,7 @@ def local_overrides(
 
 
 def check_local_count(job: AmlJob, np: int) -> None:
-    """Refuse a ``--local`` process count: not a positive integer, or not a power of 2 for
-    ``horovod_adasum`` (Horovod's Adasum combines 2^k workers; ``horovod`` and ``ddp_adasum`` take any).
+    """Refuse a ``--local`` count that is not a positive integer (a power of 2 for ``horovod_adasum``).
 
     Raises:
         AmlUsageError: naming the fix.
@@ -91,10 +79,9 @@ def local_command(
     """The local run's command.
 
     Horovod strategies: ``horovodrun -np N -H localhost:N … python SCRIPT <job args> <local overrides>``.
-    ``ddp_adasum``: ``python SCRIPT <job args> <local overrides> --trainer.devices=N
-    --trainer.num_nodes=1``, which each of the N processes runs (see :func:`pytorch_job_environment`).
-    The overrides (:func:`local_overrides`) apply to LightningCLI scripts; a script without
-    ``--trainer.*`` arguments runs with its own arguments and reads :func:`local_topology`.
+    ``ddp_adasum``: ``python SCRIPT <job args> <local overrides> --trainer.devices=N --trainer.num_nodes=1``,
+    run by each of the N processes. A script without ``--trainer.*`` arguments gets no overrides and reads
+    :func:`local_topology`.
 
     Args:
         training_args: the job's training arguments with their placeholders bound to local paths.
@@ -134,8 +121,7 @@ def local_topology(job: AmlJob, np: int) -> dict[str, str]:
 
 
 def pytorch_job_environment(np: int, rank: int, port: int) -> dict[str, str]:
-    """What an Azure ML PyTorch job sets in process ``rank`` of ``np`` on one node (``NODE_RANK`` 0), with
-    the rendezvous on this machine's ``port``."""
+    """What an Azure ML PyTorch job sets in process ``rank`` of ``np`` on one node, rendezvous on ``port``."""
     return {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -180,19 +166,17 @@ def run_local(
     """Stage the code snapshot in ``work_dir/code`` and run the job's command there on ``np`` processes.
 
     Args:
-        job: the job description (its training arguments, data bindings — local paths here — and
-            environment variables are used).
+        job: the job description (its data bindings are local paths here).
         np: processes (a power of 2 for ``horovod_adasum``); each trains on the CPU.
         work_dir: folder for the snapshot and Lightning's outputs (``work_dir/outputs``).
         source_dir: the project's source directory (``None`` for the bundled example).
-        data_dir: MNIST root of the bundled example (default ``data``), made absolute against the current
-            directory.
+        data_dir: the bundled example's MNIST root (default ``data``, relative to the current directory).
         batches: training and validation batches per process (LightningCLI scripts).
         timeout: seconds before the run is stopped (``None``: no limit).
 
     Returns:
         0 on success; else horovodrun's exit code, or for ``ddp_adasum`` the first failing process's (the
-        others are then stopped); 124 when ``timeout`` expired.
+        others are stopped); 124 when ``timeout`` expired.
 
     Raises:
         AmlUsageError: see :func:`local_command`.
@@ -250,9 +234,11 @@ def _stop(procs: Sequence[subprocess.Popen], grace: float = 10) -> None:
 def _run_processes(
     command: list[str], envs: Sequence[Mapping[str, str]], *, cwd: Path, timeout: float | None
 ) -> int:
-    """Run ``command`` once per environment in ``envs``, each in its own process group (so that a
-    launcher and everything it started are stopped together). Returns 0 when all succeed, else the first
-    non-zero exit code seen (the others are stopped then), or 124 after ``timeout`` s."""
+    """Run ``command`` once per environment of ``envs``, each in its own process group.
+
+    Returns 0 when all succeed, else the first non-zero exit code (the others are stopped), or 124 after
+    ``timeout`` s.
+    """
     procs = [subprocess.Popen(command, cwd=cwd, env=dict(e), start_new_session=True) for e in envs]
     deadline = None if timeout is None else time.monotonic() + timeout
     try:

@@ -1,16 +1,10 @@
-"""The user's project as an Azure ML job sees it: the entry script in its source directory, the code
-snapshot, the extra pip requirements, and the data the job reads and writes.
+"""The user's project as an Azure ML job sees it: entry script, code snapshot, requirements and data.
 
-Nothing here imports an Azure SDK; every check raises :class:`.job.AmlUsageError` (CLI exit code 2) with
-a message that names the fix, before any SDK object exists.
-
-- The **code snapshot** is the source directory minus what its ``.amlignore`` (or, when there is none,
-  its ``.gitignore``) excludes: the rule Azure ML applies when it uploads a job's code, matched here with
-  ``pathspec``'s gitignore patterns so that the dry run and ``--local`` see the same files.
-- **Data**: ``--input NAME=URI`` / ``--output NAME=URI`` become Azure ML ``uri_folder`` / ``uri_file``
-  bindings; the script's arguments refer to them as ``${{inputs.NAME}}`` / ``${{outputs.NAME}}``, the
-  syntax of Azure ML command jobs (SDK v2 binds it; :func:`bind_placeholders` does it for SDK v1 and
-  ``--local``).
+Every check raises :class:`.errors.AmlUsageError` naming the fix, before any SDK object exists. The code
+snapshot is the source directory minus what its ``.amlignore`` (else ``.gitignore``) excludes, as Azure ML
+uploads it. ``--input``/``--output NAME=URI`` become ``uri_folder``/``uri_file`` bindings that the script's
+arguments name as ``${{inputs.NAME}}``/``${{outputs.NAME}}`` (SDK v2 binds them; :func:`bind_placeholders`
+does for SDK v1 and ``--local``).
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from types import MappingProxyType
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from adasum_lightning.aml.job import AmlUsageError
+from adasum_lightning.aml.errors import AmlUsageError
 
 #: Files Azure ML reads for what not to upload, in order of precedence (only the first found is used).
 IGNORE_FILES = (".amlignore", ".gitignore")
@@ -51,9 +45,8 @@ def check_script(source_dir: str | Path, script: str) -> tuple[Path, str]:
     """``(source directory, script path relative to it, POSIX form)`` for ``adasum-aml submit SCRIPT``.
 
     Raises:
-        AmlUsageError: the source directory is missing, not a directory or empty; the script is missing,
-            not a file, unreadable, or outside the source directory (the job's command runs it from the
-            snapshot's root, so it must be inside).
+        AmlUsageError: the source directory is missing, not a directory or empty; the script is missing, not a
+            file, unreadable, or outside the source directory (the job runs it from the snapshot's root).
     """
     source = Path(source_dir).expanduser()
     if not source.is_dir():
@@ -91,8 +84,7 @@ def check_script(source_dir: str | Path, script: str) -> tuple[Path, str]:
 
 
 def ignore_spec(source_dir: Path):
-    """The ``pathspec.PathSpec`` of the files Azure ML leaves out of the upload of ``source_dir``, and the
-    ignore file it came from (``None`` when there is none)."""
+    """The ``pathspec.PathSpec`` of what Azure ML leaves out of ``source_dir``, and its ignore file."""
     import pathspec
 
     lines = list(ALWAYS_IGNORED)
@@ -192,15 +184,14 @@ def read_requirements(
 
     Args:
         path: a pip requirements file.
-        pins: ``{"torch": "2.14.1", ...}``: the versions the image pins; a requirement that excludes one is
-            refused here instead of failing the image build.
-        dependencies: ``{name: [SpecifierSet, …]}`` of adasum-lightning's own requirements
-            (:func:`.staging.image_dependencies`); an exact pin (``NAME==V``) outside them is refused.
+        pins: ``{"torch": "2.14.1", ...}``, the image's pins; a requirement that excludes one is refused here
+            instead of failing the image build.
+        dependencies: adasum-lightning's own requirements (:func:`.staging.image_dependencies`); an exact pin
+            (``NAME==V``) outside them is refused.
 
     Raises:
-        AmlUsageError: missing or unreadable file; a line that is not a requirement specifier (pip options,
-            ``-r``/``-e`` and local paths are not uploaded with the image's build context); a conflict with
-            ``pins``.
+        AmlUsageError: a missing or unreadable file; a line that is not a requirement specifier (pip options,
+            ``-r``/``-e``, local paths); a conflict with ``pins``.
     """
     file = Path(path).expanduser()
     try:
@@ -253,8 +244,8 @@ class DataBinding:
 
     Attributes:
         name: the binding's name (``${{inputs.NAME}}``): letters, digits and ``_``.
-        uri: ``azureml://datastores/<ds>/paths/<p>``, ``azureml:<asset>:<version>`` (inputs only), an
-            ``https://`` URL (inputs only), or a local folder for ``--local``.
+        uri: ``azureml://datastores/<ds>/paths/<p>``, ``azureml:<asset>:<version>`` or ``https://`` (inputs
+            only), or a local folder for ``--local``.
         direction: ``"inputs"`` or ``"outputs"``.
         type: ``"uri_folder"`` (default) or ``"uri_file"``.
         mode: inputs ``"ro_mount"`` (default) or ``"download"``; outputs ``"rw_mount"`` (default) or
@@ -308,15 +299,14 @@ def parse_bindings(
     *,
     local: bool = False,
 ) -> tuple[DataBinding, ...]:
-    """The job's data bindings from the CLI's ``--input``, ``--output``, ``--input-mode``, ``--output-mode``
-    and ``--input-type`` values (each ``NAME=VALUE``).
+    """The job's data bindings from the CLI's ``--input``/``--output``/``--*-mode``/``--input-type`` values.
 
     Args:
         local: for ``--local``: inputs and outputs are local folders (or files); remote URIs are refused.
 
     Raises:
-        AmlUsageError: malformed pair, unknown URI form, a mode or type for a name that has no binding, an
-            unknown mode or type, a local path for a cluster job or a remote URI for ``--local``.
+        AmlUsageError: a malformed pair, an unknown URI form, mode or type, a mode or type for a name without
+            a binding, a local path for a cluster job or a remote URI for ``--local``.
     """
     given = {"inputs": _pairs(inputs, "--input"), "outputs": _pairs(outputs, "--output")}
     modes = {"inputs": _pairs(input_modes, "--input-mode"), "outputs": _pairs(output_modes, "--output-mode")}

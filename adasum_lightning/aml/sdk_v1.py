@@ -1,9 +1,7 @@
-"""SDK v1 backend (``azureml-core``): ``Environment`` + ``ScriptRunConfig`` with ``MpiConfiguration`` (Horovod
-strategies) or ``PyTorchConfiguration`` (``ddp_adasum``).
+"""SDK v1 backend (``azureml-core``, extra ``aml``): a ``ScriptRunConfig``, MPI or PyTorch distribution.
 
-Install with ``pip install 'adasum-lightning[aml]'``. SDK v1 was deprecated on 2025-03-31 and its support
-ended on 2026-06-30; prefer :mod:`.sdk_v2`. Every function that builds objects works offline; only
-:func:`connect`, :func:`get_or_create_cluster` and :func:`submit` talk to Azure.
+SDK v1's support ended on 2026-06-30; prefer :mod:`.sdk_v2`. Everything works offline except :func:`connect`,
+:func:`get_or_create_cluster` and :func:`submit`.
 """
 
 from __future__ import annotations
@@ -13,12 +11,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     IDLE_SECONDS_BEFORE_SCALEDOWN,
     SHM_SIZE,
     AmlJob,
-    AmlSubmitError,
-    AmlUsageError,
     environment_parts,
 )
 from adasum_lightning.aml.project import bind_placeholders
@@ -30,24 +27,18 @@ IMAGE_PYTHON = "/opt/venv/bin/python"
 
 
 def environment_name(job: AmlJob, staged: StagedJob) -> str:
-    """SDK v1 numbers an environment's versions itself, so the content version is part of the name:
-    ``adasum-lightning-horovod-nccl-<content version>``; a second submit of the same content finds it."""
+    """``adasum-lightning-horovod-nccl-<content version>``: SDK v1 numbers versions itself."""
     return f"{job.environment_name}-{staged.environment_version}"
 
 
 def build_environment(job: AmlJob, staged: StagedJob, build_context=None):
-    """The job's ``azureml.core.Environment``: for ``--environment`` one that names the registered
-    environment (:func:`submit` fetches the real one), else built from the Docker build context.
+    """The job's ``azureml.core.Environment``, with user-managed Python (the image's venv).
 
     Args:
         job: the job description.
         staged: the staged folders (:func:`.staging.stage_job`).
-        build_context: a ``DockerBuildContext`` already uploaded to the workspace
-            (``DockerBuildContext.from_local_directory``, done by :func:`submit`); ``None`` (offline) refers
-            to the local folder.
-
-    Returns:
-        ``azureml.core.Environment`` with user-managed Python (the image's venv).
+        build_context: a ``DockerBuildContext`` uploaded to the workspace (by :func:`submit`); ``None``
+            (offline) refers to the local folder. Unused for ``--environment``, which :func:`submit` fetches.
     """
     from azureml.core import Environment
     from azureml.core.environment import DockerBuildContext
@@ -66,15 +57,12 @@ def build_environment(job: AmlJob, staged: StagedJob, build_context=None):
 
 
 def data_reference(name: str) -> str:
-    """The token SDK v1 runs replace by the path of the data bound to ``name`` (and the environment
-    variable that holds it): ``$AZUREML_DATAREFERENCE_<name>``."""
+    """``$AZUREML_DATAREFERENCE_<name>``, which an SDK v1 run replaces by the path of the data ``name``."""
     return f"$AZUREML_DATAREFERENCE_{name}"
 
 
 def build_data(job: AmlJob) -> tuple[dict, dict]:
-    """``(run_config.data, run_config.output_data)``: an ``azureml.core.runconfig.Data`` per ``--input``
-    (datastore path, data asset or https URL; mounted or downloaded) and an ``OutputData`` per
-    ``--output`` (datastore path; mounted or uploaded)."""
+    """``(run_config.data, run_config.output_data)``: one entry per ``--input`` and per ``--output``."""
     from azureml.core.runconfig import Data, DataLocation, DataPath, OutputData, Uri
     from azureml.core.runconfig import Dataset as RunDataset
 
@@ -102,10 +90,10 @@ def build_data(job: AmlJob) -> tuple[dict, dict]:
 
 
 def build_distributed_job_config(job: AmlJob):
-    """``MpiConfiguration(process_count_per_node, node_count)`` for the Horovod strategies (Azure ML's
-    ``mpirun``); ``PyTorchConfiguration(process_count=nodes × per node, node_count=nodes)`` with the NCCL
-    backend for ``ddp_adasum`` (Azure ML starts the processes and sets the ``torch.distributed`` variables,
-    see :data:`.job.AML_PYTORCH_VARIABLES`; ``process_count`` is the job's total, not per node)."""
+    """``MpiConfiguration`` for the Horovod strategies, ``PyTorchConfiguration`` (NCCL) for ``ddp_adasum``.
+
+    ``PyTorchConfiguration``'s ``process_count`` is the job's total, not per node.
+    """
     from azureml.core.runconfig import MpiConfiguration, PyTorchConfiguration
 
     if job.is_mpi:
@@ -116,9 +104,7 @@ def build_distributed_job_config(job: AmlJob):
 
 
 def build_script_run_config(job: AmlJob, code_dir: Path, environment):
-    """The job as an ``azureml.core.ScriptRunConfig``: ``job.node_count`` nodes ×
-    ``job.process_count_per_node`` processes on the cluster ``job.compute_name``
-    (:func:`build_distributed_job_config`).
+    """The job as an ``azureml.core.ScriptRunConfig`` on the cluster ``job.compute_name``.
 
     Args:
         job: the job description.
@@ -152,8 +138,7 @@ def build(job: AmlJob, staged: StagedJob, build_context=None, environment=None):
 
 
 def run_configuration(src) -> dict:
-    """The full run configuration of ``src`` (script, arguments, MPI, environment) as a JSON-ready dict,
-    via ``azureml.core.script_run_config.get_run_config_from_script_run``."""
+    """The run configuration of ``src`` (script, arguments, distribution, environment), JSON-ready."""
     from azureml.core.script_run_config import get_run_config_from_script_run
 
     return json.loads(repr(get_run_config_from_script_run(src)))
@@ -165,8 +150,7 @@ def render(src) -> str:
 
 
 def _auth():
-    """Non-interactive authentication: a service principal from ``AZURE_CLIENT_ID``/``AZURE_TENANT_ID``/
-    ``AZURE_CLIENT_SECRET`` when set, else the Azure CLI's login (``az login``). Never a browser prompt."""
+    """Non-interactive authentication: a service principal from ``AZURE_CLIENT_*``, else ``az login``'s."""
     from azureml.core.authentication import AzureCliAuthentication, ServicePrincipalAuthentication
 
     names = ("AZURE_TENANT_ID", "AZURE_CLIENT_ID", "AZURE_CLIENT_SECRET")
@@ -179,14 +163,13 @@ def _auth():
 
 
 def connect(config: WorkspaceConfig, *, auth_factory: Callable | None = None):
-    """The ``azureml.core.Workspace`` named by ``config``, authenticated without any interactive login.
+    """The ``azureml.core.Workspace`` named by ``config``, authenticated without an interactive login.
 
-    Checks the network first (:func:`.workspace.check_network`), so an offline machine fails in seconds
-    before any credential is created.
+    The network is checked first (:func:`.workspace.check_network`), so an offline machine fails in seconds.
 
     Raises:
         AmlSubmitError: no network, authentication failed (run ``az login`` or set a service principal), or
-            the workspace was not found. Messages are redacted of credentials.
+            the workspace was not found; credentials are redacted.
     """
     check_network()
     from azureml.core import Workspace
@@ -204,12 +187,11 @@ def connect(config: WorkspaceConfig, *, auth_factory: Callable | None = None):
 
 
 def get_or_create_cluster(workspace, job: AmlJob):
-    """The AmlCompute cluster ``job.compute_name``, created (min ``job.min_nodes``, max ``job.max_nodes``
-    nodes of ``job.vm_size``, scale-down after :data:`IDLE_SECONDS_BEFORE_SCALEDOWN` s) when absent.
+    """The AmlCompute cluster ``job.compute_name``, created with the job's VM size and bounds when absent.
 
     Raises:
-        AmlUsageError: a cluster of that name exists with another VM size or too few maximum nodes (the
-            message names both fixes: ``--cluster`` with a new name, or matching ``--vm-size``).
+        AmlUsageError: a cluster of that name has another VM size or too few maximum nodes (the message names
+            both fixes: a new ``--cluster`` name, or the matching ``--vm-size``).
     """
     from azureml.core.compute import AmlCompute, ComputeTarget
     from azureml.core.compute_target import ComputeTargetException
@@ -255,10 +237,10 @@ def _check_existing(job: AmlJob, vm_size: str, max_nodes) -> None:
 
 
 def resolve_environment(workspace, job: AmlJob, staged: StagedJob, upload_build_context: bool = True):
-    """What the run uses, looked up in the workspace: the registered ``--environment``; this launcher's
-    image when one of the same content was registered before (:func:`environment_name`: reused, no image
-    build); else a new one from the build context (uploaded unless ``upload_build_context`` is False),
-    which Azure ML registers with the run.
+    """The run's environment: the registered ``--environment``, an image of the same content, or a new one.
+
+    A new one is built from the build context (uploaded unless ``upload_build_context`` is False) and
+    registered with the run.
 
     Raises:
         AmlUsageError: ``--environment`` names an environment the workspace does not have.
@@ -303,20 +285,18 @@ def submit(
     upload_build_context: bool = True,
     stream: bool = False,
 ):
-    """Submit ``job``: connect, get or create the cluster, find or upload its environment
-    (:func:`resolve_environment`), ``Experiment.submit``.
+    """Submit ``job``: connect, get or create the cluster, resolve its environment, ``Experiment.submit``.
 
     Args:
         job, staged, config: what to run, its staged folders, where.
         workspace: an ``azureml.core.Workspace`` (default: :func:`connect` to ``config``).
         experiment_factory: ``(workspace, name) -> Experiment`` (default ``azureml.core.Experiment``).
-        upload_build_context: upload the build context to the workspace storage
-            (``DockerBuildContext.from_local_directory``); ``False`` keeps the local reference.
-        stream: follow the run's logs until it ends (``run.wait_for_completion(show_output=True)``).
+        upload_build_context: upload the build context to the workspace storage; ``False`` keeps the local
+            reference.
+        stream: follow the run's logs until it ends.
 
     Returns:
-        ``(submitted azureml.core.Run, final status or None without stream)``; its id and portal URL are
-        printed.
+        ``(the submitted azureml.core.Run, its final status or None without stream)``; its URL is printed.
 
     Raises:
         AmlSubmitError: see :func:`connect`; Azure errors while submitting (redacted).

@@ -1,8 +1,7 @@
-"""SDK v2 backend (``azure-ai-ml`` + ``azure-identity``): ``command(...)`` with ``MpiDistribution`` (Horovod
-strategies) or ``PyTorchDistribution`` (``ddp_adasum``).
+"""SDK v2 backend (``azure-ai-ml`` + ``azure-identity``, extra ``aml-v2``): ``command(...)``, MPI or PyTorch.
 
-Install with ``pip install 'adasum-lightning[aml-v2]'``. Building the job works offline; only
-:func:`connect`, :func:`get_or_create_cluster` and :func:`submit` talk to Azure.
+Building the job works offline; only :func:`connect`, :func:`get_or_create_cluster` and :func:`submit` talk to
+Azure.
 """
 
 from __future__ import annotations
@@ -11,12 +10,11 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     IDLE_SECONDS_BEFORE_SCALEDOWN,
     SHM_SIZE,
     AmlJob,
-    AmlSubmitError,
-    AmlUsageError,
     environment_parts,
 )
 from adasum_lightning.aml.staging import StagedJob
@@ -26,9 +24,11 @@ _DISPLAY_NAMES = {"horovod_adasum": "adasum", "horovod": "horovod", "ddp_adasum"
 
 
 def build_environment(job: AmlJob, staged: StagedJob):
-    """The job's environment: the reference ``azureml:NAME:VERSION`` of ``--environment``, else an
-    ``azure.ai.ml.entities.Environment`` named :attr:`.job.AmlJob.environment_name`, versioned by its
-    content (:func:`.staging.content_version`), built by Azure ML from the staged Docker build context."""
+    """The job's environment: ``--environment``'s reference, else an ``Environment`` built from the context.
+
+    The built one is named :attr:`.job.AmlJob.environment_name` and versioned by its content
+    (:func:`.staging.content_version`).
+    """
     from azure.ai.ml.entities import BuildContext, Environment
 
     if job.environment is not None:
@@ -49,9 +49,7 @@ def build_environment(job: AmlJob, staged: StagedJob):
 
 
 def build_distribution(job: AmlJob):
-    """``MpiDistribution`` (Azure ML's ``mpirun``) for the Horovod strategies; ``PyTorchDistribution`` for
-    ``ddp_adasum`` (Azure ML starts the processes and sets the ``torch.distributed`` variables, see
-    :data:`.job.AML_PYTORCH_VARIABLES`). Both with ``job.process_count_per_node`` processes per instance."""
+    """``MpiDistribution`` for the Horovod strategies, ``PyTorchDistribution`` for ``ddp_adasum``."""
     from azure.ai.ml import MpiDistribution, PyTorchDistribution
 
     kind = MpiDistribution if job.is_mpi else PyTorchDistribution
@@ -59,8 +57,7 @@ def build_distribution(job: AmlJob):
 
 
 def build_data(job: AmlJob) -> tuple[dict, dict]:
-    """``(inputs, outputs)`` of the job: ``azure.ai.ml.Input`` / ``Output`` per ``--input`` / ``--output``
-    (type, URI, mode); the command's ``${{inputs.NAME}}`` / ``${{outputs.NAME}}`` are bound by Azure ML."""
+    """``(inputs, outputs)``: an ``Input`` per ``--input``, an ``Output`` per ``--output``."""
     from azure.ai.ml import Input, Output
 
     inputs, outputs = {}, {}
@@ -73,13 +70,12 @@ def build_data(job: AmlJob) -> tuple[dict, dict]:
 
 
 def build(job: AmlJob, staged: StagedJob, environment=None):
-    """The job as an ``azure.ai.ml.entities.CommandJob`` made by ``azure.ai.ml.command``:
-    ``job.node_count`` instances × :func:`build_distribution` on the cluster ``job.compute_name``, code = the
-    staged snapshot, the data bindings of :func:`build_data`.
+    """The job as an ``azure.ai.ml.entities.CommandJob`` on the cluster ``job.compute_name``.
 
     Args:
         environment: what the job runs in (default :func:`build_environment`; :func:`submit` passes the
-            reference of an environment that already exists)."""
+            reference of an environment that exists).
+    """
     from azure.ai.ml import command
 
     inputs, outputs = build_data(job)
@@ -104,8 +100,7 @@ def build(job: AmlJob, staged: StagedJob, environment=None):
 
 
 def render(job_entity) -> str:
-    """The job as Azure ML job YAML (``azure.ai.ml.load_job`` reads it back); what ``--dry-run --sdk v2``
-    prints."""
+    """The job as Azure ML job YAML (``azure.ai.ml.load_job`` reads it), as ``--dry-run --sdk v2`` prints."""
     stream = io.StringIO()
     job_entity.dump(stream)
     return stream.getvalue()
@@ -114,9 +109,8 @@ def render(job_entity) -> str:
 def connect(config: WorkspaceConfig, *, credential_factory: Callable | None = None):
     """An ``azure.ai.ml.MLClient`` for the workspace in ``config``.
 
-    The network is checked first (:func:`.workspace.check_network`), so an offline machine fails in seconds
-    before a credential exists. The default credential is ``DefaultAzureCredential`` without its
-    interactive browser step (environment, workload/managed identity, Azure CLI, …).
+    The network is checked first (:func:`.workspace.check_network`). The default credential is
+    ``DefaultAzureCredential`` without its interactive browser step.
 
     Raises:
         AmlSubmitError: no network.
@@ -139,9 +133,7 @@ def connect(config: WorkspaceConfig, *, credential_factory: Callable | None = No
 
 
 def get_or_create_cluster(client, job: AmlJob):
-    """The AmlCompute cluster ``job.compute_name`` of workspace ``client``, created (``job.vm_size``,
-    ``job.min_nodes``–``job.max_nodes`` instances, scale-down after :data:`IDLE_SECONDS_BEFORE_SCALEDOWN` s)
-    when absent.
+    """The AmlCompute cluster ``job.compute_name`` of ``client``, created with the job's VM size and bounds.
 
     Raises:
         AmlUsageError: the name is taken by a cluster of another VM size or too small a maximum.
@@ -185,9 +177,7 @@ def get_or_create_cluster(client, job: AmlJob):
 
 
 def resolve_environment(client, job: AmlJob, staged: StagedJob):
-    """What the job runs in, looked up in the workspace: ``--environment``'s reference when it exists;
-    the reference of this launcher's image when its content version was registered before (reused: no
-    rebuild of Horovod); else the entity, which Azure ML registers and builds with the job.
+    """The job's environment: ``--environment``'s reference, an image of the same content, or a new entity.
 
     Raises:
         AmlUsageError: ``--environment`` names an environment the workspace does not have.
@@ -227,8 +217,7 @@ def resolve_environment(client, job: AmlJob, staged: StagedJob):
 
 
 def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=None, stream: bool = False):
-    """Submit ``job`` with ``client.jobs.create_or_update`` after getting or creating its cluster and
-    looking up its environment (:func:`resolve_environment`).
+    """Submit ``job`` with ``client.jobs.create_or_update``, after its cluster and environment.
 
     Args:
         job, staged, config: what to run, its staged folders, where.
@@ -236,7 +225,7 @@ def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=No
         stream: follow the job's logs until it ends (``client.jobs.stream``).
 
     Returns:
-        ``(created job entity, final status or None without stream)``; its name and studio URL are printed.
+        ``(the created job entity, its final status or None without stream)``; its name and URL are printed.
 
     Raises:
         AmlSubmitError: no network; authentication or Azure errors (redacted; names ``az login``).

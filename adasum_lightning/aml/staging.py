@@ -1,18 +1,10 @@
-"""Local folders a job is made of: the Docker build context of its environment and its code snapshot.
+"""The local folders a job is made of: its image's Docker build context and its code snapshot.
 
-Both backends upload these folders (SDK v1 at ``Experiment.submit`` / ``DockerBuildContext``, SDK v2 at
-``jobs.create_or_update``); ``--dry-run`` shows their local paths and ``--local`` runs the snapshot.
-Everything is read from the installed package (package data), never from a repository checkout.
-
-- build context: ``Dockerfile``, ``constraints.txt`` (the torch/torchvision pins), ``requirements.txt``
-  (``azureml-mlflow`` and the project's ``--requirements``) and the adasum-lightning wheel built from the
-  installed copy (:func:`build_wheel`), so that the job imports the version that submitted it. For the
-  Horovod strategies (MPI jobs) the Dockerfile comes from ``Dockerfile.in`` and the context also holds
-  ``patches/`` (the Horovod build script and patch; Horovod's own code is downloaded while the image is
-  built); for ``ddp_adasum`` (PyTorch jobs) from ``Dockerfile.ddp.in`` (no MPI, no Horovod, no compiler).
-  :func:`content_version` names the image by its content, so a second submit reuses it.
-- code snapshot: the project's source directory as Azure ML uploads it (:mod:`.project`), or the bundled
-  MNIST example (``mnist.py`` with its ``mnist_torch.py``) when no script is given.
+Both are read from the installed package, never from a checkout. The build context holds the Dockerfile
+(``Dockerfile.in`` with Open MPI and Horovod for MPI jobs, ``Dockerfile.ddp.in`` for ``ddp_adasum``), the
+torch pins, the requirements and the wheel of the installed adasum-lightning (:func:`build_wheel`), so the job
+runs the version that submitted it; :func:`content_version` names the image by its content. The code snapshot
+is the project's source directory (:mod:`.project`), or the bundled MNIST example.
 """
 
 from __future__ import annotations
@@ -28,7 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from adasum_lightning.aml.job import TRAINING_SCRIPT, AmlJob, AmlUsageError
+from adasum_lightning.aml.errors import AmlUsageError
+from adasum_lightning.aml.job import TRAINING_SCRIPT, AmlJob
 from adasum_lightning.aml.project import copy_snapshot
 from adasum_lightning.horovod_support import HOROVOD_BUILD_PACKAGE
 
@@ -36,8 +29,8 @@ from adasum_lightning.horovod_support import HOROVOD_BUILD_PACKAGE
 CUDA_CC_LIST = "75,80,86,89,90"
 #: Extra packages of the job image besides adasum-lightning and the project's own requirements.
 IMAGE_EXTRA_REQUIREMENTS = ("azureml-mlflow",)
-#: The extras of adasum-lightning the image installs: ``examples`` (torchvision, jsonargparse for
-#: LightningCLI) and ``lightning`` (the unified package, for scripts that ``import lightning``).
+#: The extras of adasum-lightning the image installs: ``examples`` (torchvision, LightningCLI's jsonargparse)
+#: and ``lightning`` (for scripts that ``import lightning``).
 IMAGE_EXTRAS = "examples,lightning"
 DISTRIBUTION = "adasum-lightning"
 #: Packages of the bundled files (``setup.py`` maps ``examples/`` and ``patches/`` there).
@@ -56,8 +49,7 @@ class StagedJob:
 
     Attributes:
         code_dir: the code snapshot; the job's working directory.
-        context_dir: the Docker build context (``Dockerfile``, ``constraints.txt``, ``requirements.txt``,
-            the adasum-lightning wheel, ``patches/``); ``None`` when the job uses a registered environment.
+        context_dir: the Docker build context; ``None`` when the job uses a registered environment.
         environment_version: :func:`content_version` of the build context (``None`` without one).
         files: the snapshot's files (POSIX paths relative to ``code_dir``).
     """
@@ -91,8 +83,7 @@ def constraints() -> dict[str, str]:
 
 
 def image_dependencies() -> dict[str, list]:
-    """What the image's adasum-lightning wheel requires, with :data:`IMAGE_EXTRAS`: ``{name: [SpecifierSet,
-    …]}`` (lower-case names), for checking the project's ``--requirements`` against it."""
+    """What the image's wheel requires, with :data:`IMAGE_EXTRAS`: ``{lowercase name: [SpecifierSet, …]}``."""
     from packaging.requirements import Requirement
 
     extras = IMAGE_EXTRAS.split(",")
@@ -124,8 +115,7 @@ def render_dockerfile(job: AmlJob, wheel_name: str) -> str:
 
 
 def _installed_distribution() -> importlib.metadata.Distribution:
-    """The installed ``.dist-info`` of adasum-lightning (the one pip wrote, which has a ``WHEEL`` file; a
-    checkout's ``*.egg-info`` build folder found on ``sys.path`` first has none).
+    """The installed ``.dist-info`` of adasum-lightning (the one pip wrote, with a ``WHEEL`` file).
 
     Raises:
         AmlUsageError: adasum-lightning is imported but not installed (names the pip command).
@@ -140,8 +130,7 @@ def _installed_distribution() -> importlib.metadata.Distribution:
 
 
 def _installed_tree(dest: Path) -> Path:
-    """Copy the installed adasum_lightning package and its ``.dist-info`` into ``dest`` as an unpacked
-    wheel (what ``wheel pack`` takes)."""
+    """Copy the package and its ``.dist-info`` into ``dest``, an unpacked wheel for ``wheel pack``."""
     dist = _installed_distribution()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     package = dest / "adasum_lightning"
@@ -162,12 +151,14 @@ def _tree_digest(root: Path, digest) -> None:
 
 
 def build_wheel(dest: Path) -> tuple[Path, str]:
-    """Build the wheel of the installed adasum-lightning (a checkout's editable install or a wheel install)
-    into ``dest`` with ``wheel pack``; returns the wheel's path and the SHA-256 of its unpacked files.
+    """Build the wheel of the installed adasum-lightning (editable or not) into ``dest`` with ``wheel pack``.
+
+    Returns:
+        The wheel's path and the SHA-256 of its unpacked files.
 
     Raises:
-        AmlUsageError: adasum-lightning is not installed as a distribution, or the ``wheel`` package is
-            missing (names the pip extra).
+        AmlUsageError: adasum-lightning is not installed as a distribution, or ``wheel`` is missing (names the
+            pip extra).
     """
     with tempfile.TemporaryDirectory(prefix="adasum-wheel-") as tmp:
         tree = _installed_tree(Path(tmp) / "tree")
@@ -193,8 +184,7 @@ def build_wheel(dest: Path) -> tuple[Path, str]:
 
 
 def content_version(context_dir: Path, wheel_digest: str) -> str:
-    """The environment version: 16 hex digits of the SHA-256 of the build context's files (Dockerfile with
-    its base image, pins, requirements, patch) with the wheel counted by its unpacked content."""
+    """The environment version: 16 hex digits of the build context's SHA-256, the wheel by its content."""
     digest = hashlib.sha256(wheel_digest.encode())
     for path in sorted(p for p in context_dir.rglob("*") if p.is_file() and p.suffix != ".whl"):
         digest.update(path.relative_to(context_dir).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
@@ -223,8 +213,10 @@ def stage_build_context(job: AmlJob, dest: Path) -> tuple[Path, str]:
 
 
 def stage_code(job: AmlJob, dest: Path, source_dir: Path | None = None) -> tuple[Path, tuple[str, ...]]:
-    """Write the code snapshot into ``dest`` (created): the source directory's files for a user script,
-    the bundled example otherwise. Returns ``dest`` and the files.
+    """Write the code snapshot into ``dest`` (created): the source directory's files, or the bundled example.
+
+    Returns:
+        ``dest`` and the files.
 
     Raises:
         AmlUsageError: see :func:`.project.copy_snapshot`.
@@ -240,8 +232,7 @@ def stage_code(job: AmlJob, dest: Path, source_dir: Path | None = None) -> tuple
 
 
 def stage_job(job: AmlJob, root: Path, source_dir: Path | None = None) -> StagedJob:
-    """Stage both folders under ``root`` (``root/code``, ``root/image``); no image for a job that uses a
-    registered environment (``job.environment``)."""
+    """Stage ``root/code`` and ``root/image``; no image for a job that uses a registered environment."""
     code_dir, files = stage_code(job, Path(root) / "code", source_dir)
     if job.environment is not None:
         return StagedJob(code_dir, None, None, files)

@@ -1,8 +1,7 @@
-"""Which Azure ML workspace to use (the config file), and the offline checks made before any SDK call.
+"""Which Azure ML workspace to use (its config file), and the offline checks made before any SDK call.
 
-The config file is the seed's ``config_aml.json`` or Azure ML's standard ``config.json`` (downloaded from
-the workspace's overview page): a JSON object with ``subscription_id``, ``resource_group`` and
-``workspace_name``. A ``Scope`` entry (an ARM workspace id) is accepted in place of the three keys.
+The config file (``config_aml.json``, or Azure ML's ``config.json``) is a JSON object with
+``subscription_id``, ``resource_group`` and ``workspace_name``, or a ``Scope`` (an ARM workspace id).
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from adasum_lightning.aml.job import AmlSubmitError, AmlUsageError
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 
-#: Files tried, in order, when no ``--config`` is given (the seed's name, then Azure ML's own locations).
+#: Files tried, in order, when no ``--config`` is given.
 DEFAULT_CONFIG_FILES = ("config_aml.json", "config.json", ".azureml/config.json")
 REQUIRED_KEYS = ("subscription_id", "resource_group", "workspace_name")
 _GUID_RE = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
@@ -34,7 +33,7 @@ ARM_HOST = "management.azure.com"
 
 @dataclass(frozen=True)
 class WorkspaceConfig:
-    """An Azure ML workspace address (no credentials: those come from the Azure CLI login or environment).
+    """An Azure ML workspace address; credentials come from the Azure CLI login or the environment.
 
     Attributes:
         subscription_id: Azure subscription GUID.
@@ -67,14 +66,14 @@ def find_config_file(start: str | os.PathLike | None = None) -> Path:
 
 
 def load_workspace_config(path: str | os.PathLike | None = None) -> WorkspaceConfig:
-    """Read and validate a workspace config file (see the module docstring for the format).
+    """Read and validate a workspace config file (the module docstring gives the format).
 
     Args:
         path: the file; ``None`` searches :data:`DEFAULT_CONFIG_FILES` in the working directory.
 
     Raises:
-        AmlUsageError: the file is missing or unreadable, is not a JSON object, lacks a key, has an empty or
-            non-string value, or a subscription id that is not a GUID. The message names the file and fix.
+        AmlUsageError: the file is missing or unreadable, not a JSON object, lacks a key, has an empty or
+            non-string value, or a subscription id that is not a GUID; the message names the file and fix.
     """
     file = Path(path) if path is not None else find_config_file()
     if file.is_dir():
@@ -139,8 +138,7 @@ def load_workspace_config(path: str | os.PathLike | None = None) -> WorkspaceCon
 def check_network(host: str = ARM_HOST, port: int = 443, timeout: float = 5.0) -> None:
     """Fail fast when Azure cannot be reached, before any credential or SDK client is created.
 
-    Opens (and closes) one TCP connection to ``host:port``, or to the proxy named by ``HTTPS_PROXY`` /
-    ``https_proxy`` when one is set (the SDKs go through it).
+    Opens one TCP connection to ``host:port``, or to the ``HTTPS_PROXY`` / ``https_proxy`` when set.
 
     Args:
         host: Azure endpoint (default: Azure Resource Manager).
@@ -148,8 +146,8 @@ def check_network(host: str = ARM_HOST, port: int = 443, timeout: float = 5.0) -
         timeout: seconds before giving up on the connection.
 
     Raises:
-        AmlSubmitError: no connection within ``timeout`` seconds (the message says what was tried; it never
-            includes proxy credentials).
+        AmlSubmitError: no connection within ``timeout`` seconds (names what was tried, never proxy
+            credentials).
     """
     proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
     target, target_port, via = host, port, ""
@@ -174,8 +172,7 @@ _KEYVAL_RE = re.compile(r"(?i)((?:secret|password|token|sig|key)[\"']?\s*[=:]\s*
 
 
 def redact(text: str) -> str:
-    """``text`` with credentials removed: values of secret environment variables, JWT bearer tokens,
-    and ``secret=…``/``token: …``/``sig=…``-style values become ``***``."""
+    """``text`` with credentials (secret variables, bearer tokens, ``secret=…`` values) as ``***``."""
     for name in _SECRET_ENV:
         value = os.environ.get(name)
         if value and len(value) >= 4:

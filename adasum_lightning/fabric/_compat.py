@@ -1,8 +1,6 @@
-"""The private Fabric APIs the Fabric strategies use (checked with the Trainer's list by
-``adasum_lightning.trainer._compat.missing``; ``tests/test_compat.py``).
+"""The private APIs the Fabric strategies use, checked by :func:`adasum_lightning._private_apis.missing`.
 
-Read from: lightning-fabric 2.4.0 and 2.6.6 (and lightning 2.6.6's ``lightning.fabric``), Horovod 0.28.1
-(``horovod/torch/optimizer.py``).
+Read from lightning-fabric 2.4.0 and 2.6.6 (lightning 2.6.6 the same) and Horovod 0.28.1.
 """
 
 from __future__ import annotations
@@ -64,20 +62,16 @@ def process_group_timeout(strategy: Any) -> timedelta | None:
     return strategy._timeout
 
 
-#: Horovod's optimizer methods that Fabric's wrapper reaches through its class (``step``, ``state_dict`` and
-#: ``load_state_dict`` it defines itself, calling the wrapped optimizer).
+#: Horovod's optimizer methods that Fabric's wrapper reaches through its class (it defines ``step`` itself).
 _HOROVOD_METHODS = ("zero_grad", "synchronize", "skip_synchronize", "set_backward_passes_per_step")
 
 
 def route_horovod_methods_to(optimizer: Any) -> None:
     """Make Horovod's optimizer methods act on ``optimizer`` itself when called through Fabric's wrapper.
 
-    Fabric wraps each optimizer in an object whose class subclasses the optimizer's class, so
-    ``optimizer.zero_grad()`` on the wrapper runs Horovod's method with the wrapper as ``self``: its
-    ``super(self.__class__, self).zero_grad()`` then finds Horovod's method again and recurses without end,
-    and ``synchronize``/``skip_synchronize`` would set their flags on the wrapper, not on the optimizer. The
-    class is ``optimizer``'s own (Horovod builds one per ``DistributedOptimizer`` call), so its methods are
-    replaced by ones bound to ``optimizer``.
+    The wrapper's class subclasses the optimizer's, so Horovod's ``super(self.__class__, self).zero_grad()``
+    would recurse without end, and ``synchronize`` would flag the wrapper. The class is ``optimizer``'s own
+    (Horovod builds one per ``DistributedOptimizer`` call), so its methods are rebound to ``optimizer``.
     """
     cls = type(optimizer)
     for name in _HOROVOD_METHODS:

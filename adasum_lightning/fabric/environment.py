@@ -30,15 +30,11 @@ def _hvd_initialized():
 class HorovodEnvironment(ClusterEnvironment):
     """Ranks and sizes from Horovod once it is initialised, from the launcher's variables before.
 
-    Processes are created by the launcher (``horovodrun``, ``mpirun``, Azure ML), never by Lightning, so
-    :attr:`creates_processes_externally` is True. Reading a rank never initialises Horovod: building a
-    ``Trainer`` or a ``Fabric`` in a notebook has no side effect; the strategy calls ``hvd.init()`` when
-    fitting starts (in ``fabric.launch()`` under Fabric).
-
-    :attr:`main_address` and :attr:`main_port` are where the ``torch.distributed`` process group that runs
-    beside Horovod meets (its TCP store, on rank 0). The strategy agrees on them through Horovod after
-    ``hvd.init()`` and sets them with :meth:`set_main_address_and_port`; before that they are the
-    ``MASTER_ADDR``/``MASTER_PORT`` variables when set, else ``127.0.0.1`` and 0 (no port chosen yet).
+    The launcher (``horovodrun``, ``mpirun``, Azure ML) creates the processes. Reading a rank never
+    initialises Horovod: the strategy calls ``hvd.init()`` when fitting starts (``fabric.launch()`` under
+    Fabric). :attr:`main_address` and :attr:`main_port` are where the ``torch.distributed`` group beside
+    Horovod meets, set by the strategy after ``hvd.init()``; before, ``MASTER_ADDR``/``MASTER_PORT`` or
+    ``127.0.0.1`` and 0.
     """
 
     def __init__(self) -> None:
@@ -68,8 +64,7 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @staticmethod
     def free_port() -> int:
-        """A free TCP port on this host for rank 0's store: Lightning's ``find_free_network_port`` (which
-        returns ``STANDALONE_PORT`` when that is set)."""
+        """A free TCP port on this host for rank 0's store: Lightning's ``find_free_network_port``."""
         return find_free_network_port()
 
     def set_main_address_and_port(self, address: str, port: int) -> None:
@@ -114,8 +109,8 @@ class HorovodEnvironment(ClusterEnvironment):
     def node_rank(self) -> int:
         """The index of this process's host among the job's hosts, in the order of their lowest rank.
 
-        Set by the strategy after ``hvd.init()`` (:meth:`set_node_rank`; Horovod's ``cross_rank`` is not a
-        node rank when hosts run different numbers of processes); before that, rank ÷ processes per node.
+        Set by the strategy after ``hvd.init()`` (Horovod's ``cross_rank`` is not a node rank when hosts run
+        different numbers of processes); before that, rank ÷ processes per node.
         """
         if self._node_rank is not None:
             return self._node_rank

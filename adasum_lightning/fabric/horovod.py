@@ -30,7 +30,7 @@ from adasum_lightning._strategy_parts import (
 from adasum_lightning.horovod_support import needs_closure
 from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
-from adasum_lightning.validation import reported_on_every_rank
+from adasum_lightning.reporting import reported_on_every_rank
 
 from . import _compat
 from .environment import HorovodEnvironment

@@ -27,7 +27,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import SyncBatchNorm
 from typing_extensions import override
 
-from adasum_lightning import validation
+from adasum_lightning import reporting, validation
 from adasum_lightning._strategy_parts import make_parameters_contiguous, register, sampler_seed
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.uneven import EvenBatches
@@ -132,11 +132,11 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._uneven_warned = False  # the uneven-inputs warning: once per fit
         if fitting:
-            with validation.reported_on_every_rank(self.global_rank):
+            with reporting.reported_on_every_rank(self.global_rank):
                 self._validate_trainer(trainer)
         super().setup(trainer)
         assert self.lightning_module is not None
-        with validation.reported_on_every_rank(self.global_rank):
+        with reporting.reported_on_every_rank(self.global_rank):
             validation.check_single_device(
                 self.strategy_name, [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
             )
@@ -261,7 +261,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
                 "checkpoint that every rank can read (Lightning writes them under "
                 "<default_root_dir>/.../checkpoints/), or ckpt_path=None to start from scratch."
             ) from err
-        except validation.CHECKPOINT_READ_ERRORS as err:
+        except reporting.CHECKPOINT_READ_ERRORS as err:
             raise validation.unreadable_checkpoint(checkpoint_path, err, self.global_rank) from err
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
             raise RuntimeError(

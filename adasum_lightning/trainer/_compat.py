@@ -1,12 +1,8 @@
-"""Every private Horovod, Lightning and torch API this project uses, in one place.
+"""Every private Horovod, Lightning and torch API the Trainer strategies use, in one place.
 
-Each entry names where it was read and in which versions; :func:`missing` checks that the installed
-versions still have them (``tests/test_compat.py`` fails loudly, naming the entry, when one is gone).
-Nothing else in the project reaches into another package's private names.
-
-Read from: pytorch-lightning 2.4.0 and 2.6.6 (and lightning 2.6.6, the same sources under
-``lightning.pytorch``), Horovod 0.28.1 (``horovod/torch/optimizer.py``), torch 2.14.1
-(``torch/optim/lr_scheduler.py``, ``torch/distributed/utils.py``).
+Each entry names where it was read; :func:`adasum_lightning._private_apis.missing` checks that the installed
+versions still have them (``tests/test_compat.py``). Read from pytorch-lightning 2.4.0 and 2.6.6 (lightning
+2.6.6 the same), Horovod 0.28.1, torch 2.14.1.
 """
 
 from __future__ import annotations
@@ -19,12 +15,10 @@ from pytorch_lightning.core.optimizer import _configure_optimizers, _configure_s
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from torch.optim import Optimizer
 
-from adasum_lightning._private_apis import PrivateApi, _check
-from adasum_lightning.fabric import _compat as fabric_compat
+from adasum_lightning._private_apis import PrivateApi
 
 __all__ = [
     "PRIVATE_APIS",
-    "missing",
     "configure_optimizers",
     "configure_schedulers",
     "sync_module_states",
@@ -49,8 +43,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "_configure_schedulers_automatic_opt",
         "pytorch-lightning 2.4.0, 2.6.6",
     ),
-    # Lightning's own broadcast of a module's parameters and buffers from rank 0 (DDPStrategy uses it when it
-    # does not wrap the module); it calls torch.distributed.utils._sync_module_states.
+    # Lightning's broadcast of a module's parameters and buffers from rank 0 (torch's _sync_module_states).
     PrivateApi(
         "pytorch_lightning.overrides.distributed", "_sync_module_states", "pytorch-lightning 2.4.0, 2.6.6"
     ),
@@ -78,8 +71,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "pytorch-lightning 2.4.0, 2.6.6",
         ("self._optimizer",),
     ),
-    # The closure with the hooks that follow it (on_before_optimizer_step, gradient clipping), without the
-    # optimizer's step: ddp_adasum(overlap_backward=True) steps bucket by bucket during backward instead.
+    # The closure and its hooks without the step: ddp_adasum(overlap_backward=True) steps during backward.
     PrivateApi(
         "pytorch_lightning.plugins.precision.precision",
         "Precision",
@@ -114,23 +106,12 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 )
 
 
-def missing(include_optional: bool = False) -> list[str]:
-    """One line per private API the installed versions lack (empty when all are there); the Fabric
-    strategies' entries (:mod:`adasum_lightning.fabric._compat`) included."""
-    return [
-        problem
-        for api in (*PRIVATE_APIS, *fabric_compat.PRIVATE_APIS)
-        if (include_optional or not api.optional) and (problem := _check(api)) is not None
-    ]
-
-
 # ---------------------------------------------------------------------------------------------- Lightning
 #: ``LightningModule.configure_optimizers()``'s output → (optimizers, schedulers, monitor).
 configure_optimizers: Callable[[Any], tuple[list, list, Any]] = _configure_optimizers
 #: Scheduler specs → Lightning's ``LRSchedulerConfig`` list (automatic optimisation).
 configure_schedulers: Callable[[list, Any], list] = _configure_schedulers_automatic_opt
-#: Broadcast a module's parameters and buffers from rank 0 over the default process group, in buckets
-#: (bool, bfloat16 and non-contiguous tensors included).
+#: Broadcast a module's parameters and buffers from rank 0 over the default group (any dtype, any layout).
 sync_module_states: Callable[[Any], None] = _sync_module_states
 
 
@@ -155,9 +136,11 @@ def unwrap_lightning_optimizer(optimizer: Any) -> Optimizer:
 
 
 def run_closure(precision_plugin: Any, model: Any, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
-    """What the precision plugin's ``optimizer_step`` runs before the optimizer's own step: the closure
-    (forward, backward), then ``on_before_optimizer_step`` and gradient clipping; returns the closure's
-    result."""
+    """The closure (forward, backward), ``on_before_optimizer_step`` and clipping, without the step.
+
+    Returns:
+        The closure's result.
+    """
     return precision_plugin._wrap_closure(model, optimizer, closure)
 
 
@@ -180,15 +163,15 @@ def horovod_requires_update(optimizer: Optimizer) -> list[Any]:
 
 
 def horovod_completes_window(optimizer: Optimizer, param: Any) -> bool:
-    """True when this backward pass is the last of ``param``'s accumulation window in Horovod's Adasum
-    optimizer: its hook (after a post-accumulate-grad hook) counts ``_allreduce_delay`` down to 0 and then
-    runs the local step at once."""
+    """True when this backward pass ends ``param``'s accumulation window in Horovod's Adasum optimizer.
+
+    Its hook counts ``_allreduce_delay`` down to 0, then runs the local step at once.
+    """
     return optimizer._allreduce_delay.get(param) == 1
 
 
 def release_horovod_hooks(optimizer: Optimizer) -> None:
-    """Drop the gradient-accumulator references through which Horovod's optimizer keeps its backward hooks
-    alive, so that a later ``fit`` can wrap fresh optimizers without the old hooks."""
+    """Drop the references that keep Horovod's backward hooks alive, so that a later ``fit`` wraps afresh."""
     grad_accs = getattr(optimizer, "_grad_accs", None)
     if isinstance(grad_accs, list):
         grad_accs.clear()
@@ -196,9 +179,11 @@ def release_horovod_hooks(optimizer: Optimizer) -> None:
 
 # ---------------------------------------------------------------------------------------------- torch
 def mark_step_for_schedulers(optimizer: Optimizer) -> None:
-    """Let torch's LR schedulers see ``step()`` calls of an optimizer wrapped after they were created (as
-    they do for the optimizer they were built with: ``LRScheduler`` patches ``step`` with a marker and sets
-    ``_opt_called``), so that they neither warn nor lose track of the step order."""
+    """Let torch's LR schedulers see ``step()`` calls of an optimizer wrapped after they were created.
+
+    As ``LRScheduler`` does for its own optimizer (a marked ``step``, ``_opt_called``), so that they neither
+    warn nor lose track of the step order.
+    """
     step = optimizer.step
     if hasattr(step, "_wrapped_by_lr_sched"):
         return

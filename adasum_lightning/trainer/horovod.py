@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from adasum_lightning import validation
+from adasum_lightning import reporting, validation
 from adasum_lightning._strategy_parts import HorovodProcess, named_parameters
 from adasum_lightning.fabric.environment import HorovodEnvironment
 from adasum_lightning.horovod_support import needs_closure
@@ -103,7 +103,7 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()
         assert self.model is not None
-        with validation.reported_on_every_rank(self.global_rank):
+        with reporting.reported_on_every_rank(self.global_rank):
             validation.check_horovod_dtypes(
                 self.strategy_name,
                 self.root_device.type,
@@ -116,7 +116,7 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         originals = list(self.optimizers)
-        with validation.reported_on_every_rank(self.global_rank):
+        with reporting.reported_on_every_rank(self.global_rank):
             self._validate_optimizers(originals)
         self.optimizers = [
             self._wrap_optimizer(optimizer, index, trainer.accumulate_grad_batches)

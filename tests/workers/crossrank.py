@@ -41,7 +41,6 @@ p.add_argument("--devices", type=int, default=1)
 p.add_argument("--precision", default="32-true")
 p.add_argument("--sync-batchnorm", action="store_true")
 p.add_argument("--convert-sync-bn", action="store_true")
-p.add_argument("--pass-horovod-sync-kwargs", action="store_true")
 p.add_argument("--sigterm-step", type=int, default=3)
 p.add_argument("--steps", type=int, default=4)
 args = p.parse_args(cases.argv())
@@ -141,13 +140,8 @@ class GatherModule(Base):
 class MetricsModule(Base):
     def __init__(self) -> None:
         super().__init__()
-        extra = {}
-        if args.pass_horovod_sync_kwargs:
-            from adasum_lightning.metrics import horovod_sync_kwargs
-
-            extra = horovod_sync_kwargs()
-        self.cat = torchmetrics.CatMetric(**extra)
-        self.auroc = torchmetrics.classification.BinaryAUROC(ignore_index=-1, **extra)
+        self.cat = torchmetrics.CatMetric()
+        self.auroc = torchmetrics.classification.BinaryAUROC(ignore_index=-1)
 
     def validation_step(self, batch, batch_idx):
         r = self.global_rank

@@ -1,6 +1,6 @@
 """Worker: a real horovodrun fit of a small dropout-free model; rank 0 saves its final parameters.
 
-The test replays the same job with :func:`adasum_lightning.simulate.simulate` and compares.
+The test replays the same job with :func:`benchmarks.simulate.simulate` and compares.
 
 usage: sim_match.py OUT_DIR --strategy horovod_adasum|horovod [--steps K] [--seed S]
 """

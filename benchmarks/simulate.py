@@ -1,9 +1,10 @@
 """Simulate N data-parallel Horovod workers in one process: Adasum or averaging, no MPI needed.
 
-Use it to see, before renting a cluster, how Adasum and gradient averaging compare for *your*
-LightningModule at 8, 16, 64 workers::
+A research tool of this repository (``make bench`` and the tests use it; it is not in the package). Use
+it, from a checkout, to see how Adasum and gradient averaging compare for *your* LightningModule at 8, 16,
+64 workers::
 
-    from adasum_lightning.simulate import simulate
+    from benchmarks.simulate import simulate
 
     pl.seed_everything(42)                     # the initial weights, as rank 0 would draw them
     result = simulate(MyModule(), train_set, num_workers=16, method="adasum", batch_size=32,
@@ -73,9 +74,11 @@ from tqdm.auto import tqdm
 
 from adasum_lightning.learning_rate import scale_learning_rates
 from adasum_lightning.ops import adasum_reduce, is_power_of_two
+
+# Lightning's own reading of configure_optimizers' output, through the package's guarded private APIs.
 from adasum_lightning.trainer._compat import configure_optimizers, configure_schedulers
 
-__all__ = ["simulate", "evaluate_classifier", "SimulationResult", "scale_learning_rates", "steps_per_epoch"]
+__all__ = ["simulate", "evaluate_classifier", "SimulationResult", "steps_per_epoch"]
 
 
 @dataclass

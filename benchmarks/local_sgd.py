@@ -1,5 +1,7 @@
-"""Local SGD / DiLoCo with the workers' pseudo-gradients combined by Adasum or by averaging, N workers
-simulated in one process: ``python -m benchmarks.local_sgd [--quick]`` (the study, docs/local_sgd.md).
+"""Local SGD / DiLoCo study: the workers' pseudo-gradients combined by Adasum or by averaging.
+
+N workers simulated in one process; ``python -m benchmarks.local_sgd [--quick]`` runs the study of
+docs/local_sgd.md.
 
 One outer round (DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
 Models", arXiv:2311.08105; local SGD: Lin et al., "Don't Use Large Mini-Batches, Use Local SGD",
@@ -393,7 +395,15 @@ METHODS = {
     "adasum_nesterov": ("adasum", True),
     "mean_nesterov": ("mean", True),
     "adasum_direct": ("adasum", False),
+    "mean_direct": ("mean", False),
 }
+
+
+def methods_for(mc: dict, inner: str) -> list[str]:
+    """The methods a model's config runs with inner optimizer ``inner``: ``methods`` plus
+    ``extra_methods[inner]``."""
+    return list(mc["methods"]) + list(mc.get("extra_methods", {}).get(inner, []))
+
 
 #: ``make bench``-sized study (≈ 30 CPU-minutes on one thread; docs/local_sgd.md says what was shrunk).
 FULL: dict[str, Any] = {
@@ -409,23 +419,33 @@ FULL: dict[str, Any] = {
         "search_seed": 0,
         "search_size": 8,
         "outer_lrs": [0.1, 0.175, 0.35, 0.7, 1.0],
-        "methods": list(METHODS),
+        "extend_low": 2,
+        "methods": ["adasum_nesterov", "mean_nesterov", "adasum_direct"],
+        "extra_methods": {"adamw": ["mean_direct"]},
+        "aim_check": {
+            "inner": "adamw",
+            "N": 16,
+            "H": 50,
+            "method": "adasum_nesterov",
+            "outer_lrs": [0.1, 0.35],
+        },
     },
     "lm": {
-        "sizes": [4, 8, 16],
+        "sizes": [2, 4, 8],
         "sync_every": [1, 10, 50],
-        "rounds": {"1": 40, "10": 16, "50": 8},
-        "eval_every": {"1": 4, "10": 1, "50": 1},
-        "batch_size": 8,
+        "rounds": {"1": 30, "10": 12, "50": 8},
+        "eval_every": {"1": 3, "10": 1, "50": 1},
+        "batch_size": 4,
         "context": 64,
         "corpus_bytes": 2_000_000,
         "val_windows": 64,
         "inners": ["adamw"],
         "seeds": [1, 2, 3],
         "search_seed": 0,
-        "search_size": 8,
-        "outer_lrs": [0.1, 0.175, 0.35, 0.7, 1.0],
-        "methods": list(METHODS),
+        "search_size": 4,
+        "outer_lrs": [0.175, 0.35, 0.7],
+        "extend_low": 2,
+        "methods": ["adasum_nesterov", "mean_nesterov", "adasum_direct"],
     },
 }
 
@@ -434,9 +454,12 @@ QUICK: dict[str, Any] = {
     "models": ["mnist", "lm"],
     "mnist": {**FULL["mnist"], "sizes": [4], "sync_every": [1, 10], "rounds": {"1": 10, "10": 4},
               "eval_every": {"1": 2, "10": 1}, "inners": ["adamw"], "seeds": [1], "search_size": 4,
-              "outer_lrs": [0.35, 0.7]},
+              "outer_lrs": [0.35, 0.7], "extend_low": 0,
+              "aim_check": {"inner": "adamw", "N": 4, "H": 10, "method": "adasum_nesterov",
+                            "outer_lrs": [0.35]}},
     "lm": {**FULL["lm"], "sizes": [4], "sync_every": [10], "rounds": {"10": 3}, "eval_every": {"10": 1},
-           "seeds": [1], "search_size": 4, "outer_lrs": [0.7], "corpus_bytes": 300_000, "val_windows": 16},
+           "seeds": [1], "search_size": 4, "outer_lrs": [0.7], "extend_low": 0, "corpus_bytes": 300_000,
+           "val_windows": 16},
 }  # fmt: skip
 
 
@@ -535,14 +558,18 @@ def _key(r: dict) -> tuple:
     return (r["model"], r["inner"], r["method"], r["outer_lr"], r["N"], r["H"], r["seed"])
 
 
-def run_study(cfg: dict, out_path: Path, *, log: Callable[[str], None] = print) -> dict:
+def run_study(
+    cfg: dict, out_path: Path, *, resume: bool = False, log: Callable[[str], None] | None = None
+) -> dict:
     """The outer-lr search (one seed, N = ``search_size``, per model, inner optimizer, H and method with an
-    outer optimizer), then every cell with each method at its best lr over ``seeds``. Finished runs are kept
-    in ``out_path`` after each run and reused when it already holds them (a stopped study resumes)."""
-    old = json.loads(out_path.read_text()) if out_path.exists() else {}
+    outer optimizer), then every cell with each method at its best lr over ``seeds``. Finished runs are
+    written to ``out_path`` after each run; with ``resume`` the runs it already holds are reused (a stopped
+    study goes on where it stopped)."""
+    log = log or (lambda line: print(line, flush=True))
+    old = json.loads(out_path.read_text()) if resume and out_path.exists() else {}
     done = {_key(r): r for r in old.get("runs", [])}
     runs: list[dict] = list(done.values())
-    best: dict[str, float] = {}
+    best: dict[str, float] = dict(old.get("best_outer_lr", {}))
     start = time.process_time()
 
     def get(task: Task, **kw: Any) -> dict:
@@ -566,22 +593,34 @@ def run_study(cfg: dict, out_path: Path, *, log: Callable[[str], None] = print) 
         task = Task(model, mc)
         for inner in mc["inners"]:
             for h in mc["sync_every"]:
-                for method in mc["methods"]:
+                for method in methods_for(mc, inner):
                     if not METHODS[method][1]:
                         continue
-                    scores = {}
-                    for lr in mc["outer_lrs"]:
+                    scores: dict[float, float] = {}
+                    lrs = list(mc["outer_lrs"])
+                    floor = mc["outer_lrs"][0] / 2 ** mc.get("extend_low", 0)
+                    while lrs:
+                        lr = lrs.pop(0)
                         r = get(task, inner=inner, method=method, outer_lr=lr, n=mc["search_size"], h=h,
                                 seed=mc["search_seed"])  # fmt: skip
                         scores[lr] = math.inf if r["diverged"] else r["final_val"]
+                        low = min(scores)  # the best at the grid's low edge: try half of it too
+                        if not lrs and min(scores, key=scores.get) == low and low / 2 >= floor:
+                            lrs.append(low / 2)
                     best[f"{model}/{inner}/H{h}/{method}"] = min(scores, key=scores.get)
         for inner in mc["inners"]:
             for h in mc["sync_every"]:
                 for n in mc["sizes"]:
-                    for method in mc["methods"]:
+                    for method in methods_for(mc, inner):
                         lr = best.get(f"{model}/{inner}/H{h}/{method}")
                         for seed in mc["seeds"]:
                             get(task, inner=inner, method=method, outer_lr=lr, n=n, h=h, seed=seed)
+        check = mc.get("aim_check")
+        if check:  # the aim's cell at other outer lrs (the search ran at N = search_size)
+            for lr in check["outer_lrs"]:
+                for seed in mc["seeds"]:
+                    get(task, inner=check["inner"], method=check["method"], outer_lr=lr, n=check["N"],
+                        h=check["H"], seed=seed)  # fmt: skip
     result = {"config": cfg, "runs": runs, "best_outer_lr": best}
     result["summary"] = summarize(result)
     result["aim"] = aim(result)
@@ -603,6 +642,11 @@ def _write(path: Path, payload: dict) -> None:
 
 def _first_round_at_or_below(history: list[list[float]], target: float) -> int | None:
     return next((int(r) for r, v in history if r > 0 and v <= target), None)
+
+
+def _value_at(history: list[list[float]], rnd: int) -> float:
+    """The evaluation at the last evaluated round ≤ ``rnd``."""
+    return [v for r, v in history if r <= rnd][-1]
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -636,7 +680,8 @@ def _final_runs(result: dict) -> dict[tuple, list[dict]]:
 def summarize(result: dict) -> list[dict]:
     """Per cell (model, inner, N, H) of the final runs: per method the final validation loss over seeds,
     the rounds to reach the target (averaging + Nesterov's final validation loss, mean over seeds; runs
-    that never reach it are counted in ``not_reached``, not in the mean), and the bytes per rank."""
+    that never reach it are counted in ``not_reached``, not in the mean) and the half-run target (its
+    validation loss at round R/2, mean over seeds), and the bytes per rank."""
     cfg, final = result["config"], _final_runs(result)
     cells = []
     for model in cfg["models"]:
@@ -644,14 +689,21 @@ def summarize(result: dict) -> list[dict]:
         for inner in mc["inners"]:
             for h in mc["sync_every"]:
                 for n in mc["sizes"]:
-                    per = {m: final.get((model, inner, n, h, m), []) for m in mc["methods"]}
-                    ref = [r["final_val"] for r in per.get("mean_nesterov", []) if not r["diverged"]]
-                    target = statistics.fmean(ref) if ref else None
-                    cell = {"model": model, "inner": inner, "N": n, "H": h, "rounds": mc["rounds"][str(h)],
-                            "target": target, "methods": {}}  # fmt: skip
+                    per = {m: final.get((model, inner, n, h, m), []) for m in methods_for(mc, inner)}
+                    ref = [r for r in per.get("mean_nesterov", []) if not r["diverged"]]
+                    rounds = mc["rounds"][str(h)]
+                    target = statistics.fmean(r["final_val"] for r in ref) if ref else None
+                    half = (
+                        statistics.fmean(_value_at(r["history"], rounds // 2) for r in ref) if ref else None
+                    )
+                    cell = {"model": model, "inner": inner, "N": n, "H": h, "rounds": rounds,
+                            "target": target, "half_target": half, "methods": {}}  # fmt: skip
                     for method, rs in per.items():
                         reached = (
                             [_first_round_at_or_below(r["history"], target) for r in rs] if target else []
+                        )
+                        reached_half = (
+                            [_first_round_at_or_below(r["history"], half) for r in rs] if half else []
                         )
                         cell["methods"][method] = {
                             "outer_lr": rs[0]["outer_lr"] if rs else None,
@@ -662,6 +714,8 @@ def summarize(result: dict) -> list[dict]:
                             "rounds_to_target": _stats([x for x in reached if x is not None]),
                             "rounds_to_target_per_seed": reached,
                             "not_reached": sum(x is None for x in reached),
+                            "rounds_to_half_target": _stats([x for x in reached_half if x is not None]),
+                            "rounds_to_half_target_per_seed": reached_half,
                             "bytes_per_round": rs[0]["bytes_per_round"] if rs else None,
                         }
                     cells.append(cell)
@@ -683,9 +737,53 @@ def aim(result: dict, n: int = 16, h: int = 50, ratio: float = 0.8) -> list[dict
             per_seed = m["rounds_to_target_per_seed"]
             fractions = [None if x is None else x / cell["rounds"] for x in per_seed]
             held = bool(per_seed) and all(f is not None and f <= ratio for f in fractions)
-            out.append({"model": cell["model"], "inner": cell["inner"], "method": method,
-                        "rounds_of_averaging": cell["rounds"], "rounds_to_target_per_seed": per_seed,
-                        "fraction_per_seed": fractions, "held": held})  # fmt: skip
+            out.append(
+                {
+                    "model": cell["model"],
+                    "inner": cell["inner"],
+                    "method": method,
+                    "outer_lr": m["outer_lr"],
+                    "target": cell["target"],
+                    "rounds_of_averaging": cell["rounds"],
+                    "rounds_to_target_per_seed": per_seed,
+                    "fraction_per_seed": fractions,
+                    "final_val": m["final_val"],
+                    "held": held,
+                }
+            )
+            check = result["config"][cell["model"]].get("aim_check") or {}
+            if (check.get("inner"), check.get("method"), check.get("N"), check.get("H")) != (
+                cell["inner"],
+                method,
+                n,
+                h,
+            ):
+                continue
+            for lr in check["outer_lrs"]:
+                rs = [
+                    r
+                    for r in result["runs"]
+                    if (r["model"], r["inner"], r["method"], r["outer_lr"], r["N"], r["H"])
+                    == (cell["model"], cell["inner"], method, lr, n, h)
+                    and r["seed"] in result["config"][cell["model"]]["seeds"]
+                ]
+                per_seed = [_first_round_at_or_below(r["history"], cell["target"]) for r in rs]
+                fractions = [None if x is None else x / cell["rounds"] for x in per_seed]
+                out.append(
+                    {
+                        "model": cell["model"],
+                        "inner": cell["inner"],
+                        "method": method,
+                        "outer_lr": lr,
+                        "target": cell["target"],
+                        "rounds_of_averaging": cell["rounds"],
+                        "rounds_to_target_per_seed": per_seed,
+                        "fraction_per_seed": fractions,
+                        "final_val": _stats([r["final_val"] for r in rs if not r["diverged"]]),
+                        "held": bool(per_seed) and all(f is not None and f <= ratio for f in fractions),
+                        "note": "outer lr other than the searched best",
+                    }
+                )
     return out
 
 
@@ -696,8 +794,10 @@ LABELS = {
     "adasum_nesterov": "Adasum + Nesterov",
     "mean_nesterov": "mean + Nesterov (DiLoCo)",
     "adasum_direct": "Adasum, no outer opt.",
+    "mean_direct": "mean, no outer opt. (local SGD)",
 }
-COLORS = {"adasum_nesterov": "tab:red", "mean_nesterov": "tab:blue", "adasum_direct": "tab:orange"}
+COLORS = {"adasum_nesterov": "tab:red", "mean_nesterov": "tab:blue", "adasum_direct": "tab:orange",
+          "mean_direct": "tab:cyan"}  # fmt: skip
 
 
 def plot(result: dict, docs: Path) -> list[Path]:
@@ -718,7 +818,7 @@ def plot(result: dict, docs: Path) -> list[Path]:
             for i, h in enumerate(hs):
                 for j, n in enumerate(ns):
                     ax = axes[i][j]
-                    for method in mc["methods"]:
+                    for method in methods_for(mc, inner):
                         rs = final.get((model, inner, n, h, method), [])
                         if not rs:
                             continue
@@ -756,32 +856,30 @@ def plot(result: dict, docs: Path) -> list[Path]:
     fig, axes = plt.subplots(len(groups), 1, figsize=(11, 2.9 * len(groups)), squeeze=False)
     for ax, (model, inner) in zip(axes[:, 0], groups, strict=True):
         cells = [c for c in result["summary"] if c["model"] == model and c["inner"] == inner]
-        methods = cfg[model]["methods"]
+        methods = methods_for(cfg[model], inner)
         width = 0.8 / len(methods)
+        never = 1.1  # where a seed that never reached the target is drawn
         for k, method in enumerate(methods):
-            xs, ys, es, marks = [], [], [], []
+            xs, ys, dots = [], [], []
             for ci, c in enumerate(cells):
                 m = c["methods"].get(method)
                 if m is None:
                     continue
-                per = m["rounds_to_target_per_seed"]
-                frac = [(x if x is not None else math.nan) / c["rounds"] for x in per]
-                ok = [f for f in frac if not math.isnan(f)]
-                xs.append(ci + (k - (len(methods) - 1) / 2) * width)
-                ys.append(statistics.fmean(ok) if ok else 0.0)
-                es.append(statistics.stdev(ok) if len(ok) > 1 else 0.0)
-                marks.append(len(per) - len(ok))
-            ax.bar(xs, ys, width, yerr=es, color=COLORS[method], label=LABELS[method], capsize=2)
-            for x, y, miss in zip(xs, ys, marks, strict=True):
-                if miss:
-                    ax.text(x, y + 0.03, f"{miss}✗", ha="center", fontsize=6)
+                frac = [never if x is None else x / c["rounds"] for x in m["rounds_to_target_per_seed"]]
+                x = ci + (k - (len(methods) - 1) / 2) * width
+                xs.append(x)
+                ys.append(statistics.median(frac) if frac else 0.0)
+                dots += [(x, f) for f in frac]
+            ax.bar(xs, ys, width, color=COLORS[method], label=LABELS[method], alpha=0.75)
+            ax.scatter([d[0] for d in dots], [d[1] for d in dots], s=8, color="k", zorder=3)
         ax.axhline(0.8, color="k", ls="--", lw=0.8)
+        ax.axhline(1.0, color="grey", ls=":", lw=0.8)
         ax.set_xticks(range(len(cells)), [f"N{c['N']} H{c['H']}" for c in cells], fontsize=7)
         ax.set_ylabel("rounds to target / R")
-        ax.set_ylim(0, 1.25)
-        ax.set_title(f"{model}, inner {inner}: rounds to reach averaging's final validation loss "
-                     "(fraction of the run; n✗: seeds that never reached it)", fontsize=9)  # fmt: skip
-        ax.legend(fontsize=7, ncol=3)
+        ax.set_ylim(0, 1.3)
+        title = f"{model}, inner {inner}: outer rounds to averaging's final validation loss, fraction of R"
+        ax.set_title(f"{title} (bar: median of seeds, dots: seeds; {never}: never reached)", fontsize=9)
+        ax.legend(fontsize=7, ncol=4, loc="lower right")
     fig.tight_layout()
     path = docs / "local_sgd_rounds_to_target.png"
     fig.savefig(path, dpi=110)
@@ -796,35 +894,54 @@ def _fmt(s: dict, digits: int = 4) -> str:
     return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
 
 
+def _rounds(s: dict, per_seed: list) -> str:
+    if not per_seed:
+        return "—"
+    reached = f"{sum(x is not None for x in per_seed)}/{len(per_seed)}"
+    return reached if s["mean"] is None else f"{s['mean']:.1f} ± {s['std']:.1f} ({reached})"
+
+
 def tables(result: dict) -> str:
-    """Markdown tables of the summary: per model and inner optimizer, one row per (N, H)."""
+    """Markdown tables of the summary, two per model and inner optimizer (one row per N, H): the final
+    validation loss of each method (its outer lr), and the rounds to reach the two targets."""
     lines = []
     cfg = result["config"]
     for model in cfg["models"]:
         for inner in cfg[model]["inners"]:
-            methods = cfg[model]["methods"]
-            lines += [f"**{model}, inner {inner}**", ""]
-            head = ["N", "H", "R", "target"]
-            for m in methods:
-                head += [f"{LABELS[m]}: lr", "final val", "rounds to target"]
+            methods = methods_for(cfg[model], inner)
+            cells = [c for c in result["summary"] if (c["model"], c["inner"]) == (model, inner)]
+            head = ["N", "H", "R", *(LABELS[m] for m in methods)]
+            lines += [f"Final validation loss, {model}, inner {inner} (mean ± std over seeds; outer lr):", ""]
             lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            for c in result["summary"]:
-                if (c["model"], c["inner"]) != (model, inner):
-                    continue
-                row = [
-                    str(c["N"]),
-                    str(c["H"]),
-                    str(c["rounds"]),
+            for c in cells:
+                row = [str(c["N"]), str(c["H"]), str(c["rounds"])]
+                for m in methods:
+                    s = c["methods"][m]
+                    div = f", {s['diverged']} diverged" if s["diverged"] else ""
+                    lr = f" (lr {s['outer_lr']}{div})" if s["outer_lr"] else (f" ({div[2:]})" if div else "")
+                    row.append(_fmt(s["final_val"]) + lr)
+                lines.append("| " + " | ".join(row) + " |")
+            lines += [
+                "",
+                f"Outer rounds to averaging's final loss / to its loss at R/2, {model}, inner {inner} "
+                "(mean ± std over the seeds that reach it; reached/seeds):",
+                "",
+            ]
+            head = ["N", "H", "R", "target", "R/2 target", *(LABELS[m] for m in methods)]
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for c in cells:
+                row = [str(c["N"]), str(c["H"]), str(c["rounds"])]
+                row += [
                     f"{c['target']:.4f}" if c["target"] else "—",
+                    f"{c['half_target']:.4f}" if c["half_target"] else "—",
                 ]
                 for m in methods:
                     s = c["methods"][m]
-                    rt = s["rounds_to_target"]
-                    rtt = "—" if rt["mean"] is None else f"{rt['mean']:.1f} ± {rt['std']:.1f}"
-                    if s["not_reached"]:
-                        rtt += f" ({s['not_reached']}✗)"
-                    div = f" ({s['diverged']} div.)" if s["diverged"] else ""
-                    row += [str(s["outer_lr"] or "—"), _fmt(s["final_val"]) + div, rtt]
+                    row.append(
+                        _rounds(s["rounds_to_target"], s["rounds_to_target_per_seed"])
+                        + " / "
+                        + _rounds(s["rounds_to_half_target"], s["rounds_to_half_target_per_seed"])
+                    )
                 lines.append("| " + " | ".join(row) + " |")
             lines.append("")
     return "\n".join(lines)
@@ -843,6 +960,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--docs", type=Path, default=None, help="folder for the PNGs (default docs/; quick: next to the JSON)"
     )
+    p.add_argument("--resume", action="store_true", help="reuse the runs --out already holds")
     p.add_argument(
         "--report-only", action="store_true", help="re-summarise, plot and print the tables of --out"
     )
@@ -860,7 +978,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         result["aim"] = aim(result)
         _write(out, {k: v for k, v in result.items() if k not in ("benchmark", "environment")})
     else:
-        result = run_study(cfg, out)
+        result = run_study(cfg, out, resume=args.resume)
     for path in plot(result, docs):
         print(f"wrote {path}")
     print(tables(result))

@@ -7,7 +7,9 @@ Fabric, Trainer — and DDP, on the example's CNN and a 57 MB MLP), ``local_sgd_
 ``ddp_adasum`` every step and with ``sync_every=10`` beside ``ddp`` on that MLP), ``allreduce`` (Adasum vs
 Average vs Sum; ``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
 (``docs/benchmarks.md`` and its PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum``
-rows, with ``horovod_adasum`` re-run beside them, merged into an existing ``study_real.json``). ``make
+rows, with ``horovod_adasum`` re-run beside them, merged into an existing ``study_real.json``) and
+``local_sgd`` (DiLoCo / local SGD with Adasum or averaging, ``benchmarks/local_sgd.py``; ≈ 30 CPU-minutes,
+``--quick`` ≈ 20 s; writes ``local_sgd.json`` and its PNGs, docs/local_sgd.md reads them). ``make
 bench`` runs everything with :data:`FULL`; ``make bench-quick`` runs :data:`QUICK` into
 ``benchmarks/results/quick/`` (the docs are left alone; its report goes to
 ``benchmarks/results/quick/report.md``). Each part's wall time is merged into ``timings.json`` (latest run
@@ -119,7 +121,7 @@ PARTS = [
     "report",
 ]
 #: Parts run only when named in ``--only``.
-EXTRA_PARTS = ["study_ddp"]
+EXTRA_PARTS = ["study_ddp", "local_sgd"]
 
 
 def _ratios(runs: list[dict], sizes: list[int], num: str, den: str) -> list[dict]:
@@ -444,6 +446,12 @@ def main() -> None:
         start = time.perf_counter()
         save("memory", {"config": cfg, **memory(cfg, out_dir, root)})
         timings["memory"] = time.perf_counter() - start
+    if "local_sgd" in parts:
+        from benchmarks import local_sgd
+
+        start = time.perf_counter()
+        local_sgd.main(["--quick"] if args.quick else [])
+        timings["local_sgd"] = time.perf_counter() - start
     if timings:
         save("timings", _merged_timings(out_dir, timings, time.perf_counter() - start_all, parts, env))
     if "report" in parts:

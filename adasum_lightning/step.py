@@ -1,16 +1,10 @@
 """The Adasum step, once for every training loop: capture, local step, deltas, Adasum, write back.
 
-The ``ddp_adasum`` Trainer strategy, the ``ddp_adasum`` Fabric strategy and :class:`~adasum_lightning.
-AdasumOptimizer` (a plain ``torch.distributed`` loop) all update the parameters through
-:func:`adasum_step`; they differ only in what their local step is (Lightning's precision plugin and closure,
-Fabric's precision plugin, or the wrapped optimizer's ``step``). :class:`BackwardAdasumStep` gives the same
-parameters bucket by bucket during the backward pass (the Trainer's ``ddp_adasum(overlap_backward=True)``).
-Needs ``torch`` only.
-
-Semantics (Horovod 0.28.1's ``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``, taken after the
-whole backward pass): every rank runs its own optimizer step from the same parameters θ, giving
-``d_r = θ_r − θ``; every rank then sets ``θ := θ + Adasum(d_0, …, d_{N−1})`` (Maleki et al., MLSys 2021), so
-the ranks stay identical while each keeps its own optimizer state. No learning-rate scaling by world size.
+The Trainer's and Fabric's ``ddp_adasum`` and :class:`~adasum_lightning.AdasumOptimizer` update the
+parameters through :func:`adasum_step`, differing only in their local step; :class:`BackwardAdasumStep`
+gives the same parameters bucket by bucket during backward. Semantics (Horovod 0.28.1's
+``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``): every rank steps its own optimizer from the
+same θ, giving ``d_r = θ_r − θ``, then sets ``θ := θ + Adasum(d_0, …, d_{N−1})`` (Maleki et al., MLSys 2021).
 """
 
 from __future__ import annotations
@@ -78,25 +72,17 @@ def adasum_step(
     """Run ``local_step`` (this rank's optimizer step), then replace its update of ``params`` by the Adasum of
     every rank's update: ``θ := θ_before + Adasum(θ_after − θ_before over the ranks)``.
 
-    Every rank of ``group`` must call this for the same ``params`` (same shapes, dtypes, order) at the same
-    step; a rank whose local step changes nothing (a step skipped by a gradient scaler, a parameter without a
-    gradient) contributes a zero delta, which Adasum leaves out.
-
-    Three passes over the parameters, and one flat buffer per dtype and device kept between steps (per thread,
-    like the reduction's own; :func:`adasum_lightning.allreduce.release_workspace` frees them): the parameters
-    are copied into the buffer and, for the local step, each parameter's ``.data`` is its piece of it, so the
-    step updates the copy while the parameters' own storage keeps ``θ_before``; the deltas are then written
-    over the copy in place (the flat bucket :func:`adasum_lightning.allreduce.adasum_allreduce_flat` works
-    on), and ``θ_before + Adasum`` into the parameters' own storage. The arithmetic is the plain step's
-    (``θ_after − θ_before``, ``θ_before + Adasum``), so the parameters are the same bitwise. Memory: one flat
-    copy of ``params`` plus the reduction's receive buffer (half a copy, or a whole one below the tree
-    threshold). The optimizer's state is keyed by the parameter objects, which stay the same.
+    Every rank of ``group`` calls this for the same ``params`` at the same step; a rank whose local step
+    changes nothing (a skipped step, no gradient) contributes a zero delta, which Adasum leaves out. The
+    local step runs on a flat copy of ``params`` per dtype and device (kept between steps, per thread), so the
+    parameters' own storage keeps ``θ_before``; the deltas are reduced in that copy in place. The arithmetic
+    is the plain step's, so the parameters are the same bitwise. Memory: one flat copy of ``params`` and the
+    reduction's receive buffer.
 
     Args:
         params: the parameters the local step may change (floating-point; any layout).
         local_step: runs the local step; its return value is returned.
-        group: the process group (default: the default group). With world size 1 (or no process group) this is
-            ``local_step()`` alone.
+        group: the process group (default: the default group); at world size 1, ``local_step()`` alone.
         timeout: how long one exchange waits for a peer (see :func:`adasum_lightning.adasum_allreduce`).
 
     Raises:
@@ -148,23 +134,13 @@ class BackwardAdasumStep:
     """:func:`adasum_step` bucket by bucket during ``loss.backward()``, as Horovod's Adasum optimizer steps
     parameter by parameter (``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``).
 
-    The trainable parameters of ``optimizer``, in reverse order (roughly the order backward finishes them, as
-    DDP's buckets), are cut into buckets of one dtype and device, each closed once it holds ``bucket_bytes``
-    or more (as DDP's). At construction every rank takes the first rank's parameter values (as
-    :class:`~adasum_lightning.AdasumOptimizer` and ``DistributedDataParallel`` do). While
-    :attr:`armed`, the hook that runs once a bucket's last gradient is accumulated
-    (``register_post_accumulate_grad_hook``) steps ``optimizer`` on that bucket alone (its param groups cut
-    down to it for the call) as :func:`adasum_step` steps — on a copy in the bucket's flat buffer, the
-    parameters' own storage keeping ``θ_before`` — and writes the deltas over the copy; a worker thread
-    reduces the buckets in bucket order on ``group`` (every rank issues the same exchanges in the same order,
-    whatever order its gradients arrive in) with :func:`adasum_lightning.allreduce.adasum_allreduce_flat`
-    and writes ``θ_before + Adasum`` back while backward goes on. :meth:`finish` steps the buckets backward
-    left incomplete (unused parameters: their delta is zero) and waits for the worker.
-
-    Result: the parameters of :func:`adasum_step` bitwise, for a per-parameter optimizer
-    (:data:`PER_PARAMETER_OPTIMIZERS`) whose step needs no closure and with gradients not changed between
-    backward and the step (no clipping, no unscaling). Frozen parameters are left out (a zero delta). Memory:
-    one flat copy of the trainable parameters plus the reduction's receive buffer (half the largest bucket).
+    The trainable parameters, in reverse order, are cut into buckets of one dtype and device of at least
+    ``bucket_bytes`` (as DDP's). While :attr:`armed`, a bucket whose gradients are all accumulated steps alone
+    on its flat copy and a worker thread reduces the buckets in bucket order on ``group`` while backward goes
+    on; :meth:`finish` steps the buckets backward left incomplete and waits. The parameters of
+    :func:`adasum_step` bitwise, for a per-parameter optimizer (:data:`PER_PARAMETER_OPTIMIZERS`) without a
+    closure and with gradients unchanged between backward and the step. At construction every rank takes
+    the first rank's parameter values.
 
     Args:
         optimizer: the local optimizer (not wrapped by :class:`~adasum_lightning.AdasumOptimizer`).

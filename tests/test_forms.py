@@ -10,6 +10,7 @@ step; the reduction is the same function).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import subprocess
 import sys
@@ -217,6 +218,23 @@ def test_local_sgd_counts_optimizer_steps_under_accumulation_and_clipping(cases)
     assert not torch.equal(plain[0]["trace"][2], plain[1]["trace"][2])  # step 3: inside the last window
 
 
+def batches_of_every_rank(world_size: int, epochs: int = 2) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each rank's batches in the plain loop: a DistributedSampler shard (seed 100) an epoch, batches of 4."""
+    data = IndexedData(64)
+    every_rank = []
+    for r in range(world_size):
+        sampler = torch.utils.data.DistributedSampler(data, world_size, r, shuffle=True, seed=100)
+        batches = []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            indices = list(sampler)
+            batches += [
+                (data.x[indices[i : i + 4]], data.y[indices[i : i + 4]]) for i in range(0, len(indices), 4)
+            ]
+        every_rank.append(batches)
+    return every_rank
+
+
 def local_sgd_reference(start: dict, rank_batches: list, sync_every: int, combine: str, outer_lr: float):
     """The algorithm written out in one process: each worker's parameters after each of its steps."""
     from adasum_lightning.ops import adasum_reduce
@@ -279,16 +297,7 @@ def test_local_sgd_equals_the_algorithm_written_out_and_ranks_agree_only_at_sync
     # by Adasum (ops.adasum_reduce) or their mean, applied directly or by an outer Nesterov SGD step.
     declared = {**LOCAL_SGD, **LOCAL_SGD_PLAIN}[key]
     ranks = cases[declared[0] if isinstance(declared, tuple) else declared].ranks
-    data = IndexedData(64)
-    rank_batches = []
-    for r in range(2):
-        sampler = torch.utils.data.DistributedSampler(data, 2, r, shuffle=True, seed=100)
-        batches = []
-        for epoch in range(2):
-            sampler.set_epoch(epoch)
-            indices = list(sampler)
-            batches += [(data.x[indices[i : i + 4]], data.y[indices[i : i + 4]]) for i in range(0, 32, 4)]
-        rank_batches.append(batches)
+    rank_batches = batches_of_every_rank(2)
     reference, end = local_sgd_reference(ranks[0]["start"], rank_batches, 3, *key)
     for r, res in enumerate(ranks):
         assert len(res["trace"]) == 16
@@ -299,6 +308,39 @@ def test_local_sgd_equals_the_algorithm_written_out_and_ranks_agree_only_at_sync
     for k in range(16):
         same = torch.equal(ranks[0]["trace"][k], ranks[1]["trace"][k])
         assert same == ((k + 1) % 3 == 0), (key, k)  # different inside a window, identical at each sync
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param(k, marks=pytest.mark.cases(LOCAL_SGD_PLAIN[k]), id=f"{k[0]}-outer{k[1]}")
+        for k in LOCAL_SGD_PLAIN
+    ],
+)
+def test_the_benchmarks_simulator_equals_real_ranks(key, cases):
+    # benchmarks/local_sgd.py's workers in one process (the study's simulator) against the 2-rank plain
+    # loop: 5 rounds of 3 steps on the same batches from the same start
+    from benchmarks.local_sgd import simulate_diloco
+    from tests.workers.samples import tiny_net
+
+    ranks = cases[LOCAL_SGD_PLAIN[key]].ranks
+    combine, outer_lr = key
+
+    def model_fn():
+        model = tiny_net()
+        model.load_state_dict(ranks[0]["start"])
+        return model
+
+    shards = [lambda step, b=batches: b[step] for batches in batches_of_every_rank(2)]
+    outer = functools.partial(torch.optim.SGD, lr=outer_lr, momentum=0.9, nesterov=True) if outer_lr else None
+    result = simulate_diloco(
+        model_fn, shards, sync_every=3, combine=combine, rounds=5, outer_optimizer_fn=outer,
+        inner_optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    )  # fmt: skip
+    simulated = torch.cat([p.detach().reshape(-1) for p in result["model"].parameters()])
+    for r, res in enumerate(ranks):
+        got = res["trace"][14]  # after step 15, the fifth sync
+        assert torch.allclose(got, simulated, rtol=1e-5, atol=1e-6), (key, r, (got - simulated).abs().max())
 
 
 SAVE_LOAD = form("forms-save-load", "fabric", 2, "--epochs", "1", "--save-load")

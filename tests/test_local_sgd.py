@@ -72,6 +72,11 @@ def test_strategies_refuse_local_sgd_settings_when_built():
 
 @pytest.fixture
 def one_process_group(tmp_path):
+    """A default process group of this process alone (one an earlier test of this worker left is reused)."""
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield
+        return
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -38,58 +38,56 @@ class VmSize:
     retired: str | None = None
 
 
-def _sizes(gpus_by_name: Mapping[str, int], gpu: str, retired: str | None = None) -> dict[str, VmSize]:
-    return {name: VmSize(name, gpus, gpu, retired) for name, gpus in gpus_by_name.items()}
-
-
 _K80 = "retired by Azure on 2023-08-31 (NC series, NVIDIA K80)"
 _P100 = "retired by Azure on 2023-08-31 (NCv2 series, NVIDIA P100)"
 _P40 = "retired by Azure on 2023-08-31 (ND series, NVIDIA P40)"
 _V100 = "retired by Azure on 2025-09-30 (NCv3 series, NVIDIA V100; also below CUDA 13's minimum sm_75)"
 
+#: Per GPU series: the GPU, why Azure retired the series (None: current), GPUs per VM of each size.
+_SERIES: tuple[tuple[str, str | None, dict[str, int]], ...] = (
+    (
+        "NVIDIA T4 16 GB",
+        None,
+        {
+            "Standard_NC4as_T4_v3": 1,
+            "Standard_NC8as_T4_v3": 1,
+            "Standard_NC16as_T4_v3": 1,
+            "Standard_NC64as_T4_v3": 4,
+        },
+    ),
+    (
+        "NVIDIA A100 80 GB",
+        None,
+        {"Standard_NC24ads_A100_v4": 1, "Standard_NC48ads_A100_v4": 2, "Standard_NC96ads_A100_v4": 4},
+    ),
+    ("NVIDIA H100 NVL 94 GB", None, {"Standard_NC40ads_H100_v5": 1, "Standard_NC80adis_H100_v5": 2}),
+    ("NVIDIA A100 40 GB, InfiniBand", None, {"Standard_ND96asr_v4": 8}),
+    ("NVIDIA A100 80 GB, InfiniBand", None, {"Standard_ND96amsr_A100_v4": 8}),
+    ("NVIDIA H100 80 GB, InfiniBand", None, {"Standard_ND96isr_H100_v5": 8}),
+    ("NVIDIA K80", _K80, {"Standard_NC6": 1, "Standard_NC12": 2, "Standard_NC24": 4, "Standard_NC24r": 4}),
+    (
+        "NVIDIA P100",
+        _P100,
+        {"Standard_NC6s_v2": 1, "Standard_NC12s_v2": 2, "Standard_NC24s_v2": 4, "Standard_NC24rs_v2": 4},
+    ),
+    (
+        "NVIDIA P40",
+        _P40,
+        {"Standard_ND6s": 1, "Standard_ND12s": 2, "Standard_ND24s": 4, "Standard_ND24rs": 4},
+    ),
+    (
+        "NVIDIA V100",
+        _V100,
+        {"Standard_NC6s_v3": 1, "Standard_NC12s_v3": 2, "Standard_NC24s_v3": 4, "Standard_NC24rs_v3": 4},
+    ),
+)
+
 #: Azure GPU VM sizes this launcher knows, current and retired (retired ones are refused with the reason).
 VM_SIZES: Mapping[str, VmSize] = MappingProxyType(
     {
-        **_sizes(
-            {
-                "Standard_NC4as_T4_v3": 1,
-                "Standard_NC8as_T4_v3": 1,
-                "Standard_NC16as_T4_v3": 1,
-                "Standard_NC64as_T4_v3": 4,
-            },
-            "NVIDIA T4 16 GB",
-        ),
-        **_sizes(
-            {"Standard_NC24ads_A100_v4": 1, "Standard_NC48ads_A100_v4": 2, "Standard_NC96ads_A100_v4": 4},
-            "NVIDIA A100 80 GB",
-        ),
-        **_sizes(
-            {"Standard_NC40ads_H100_v5": 1, "Standard_NC80adis_H100_v5": 2},
-            "NVIDIA H100 NVL 94 GB",
-        ),
-        "Standard_ND96asr_v4": VmSize("Standard_ND96asr_v4", 8, "NVIDIA A100 40 GB, InfiniBand"),
-        "Standard_ND96amsr_A100_v4": VmSize("Standard_ND96amsr_A100_v4", 8, "NVIDIA A100 80 GB, InfiniBand"),
-        "Standard_ND96isr_H100_v5": VmSize("Standard_ND96isr_H100_v5", 8, "NVIDIA H100 80 GB, InfiniBand"),
-        **_sizes(
-            {"Standard_NC6": 1, "Standard_NC12": 2, "Standard_NC24": 4, "Standard_NC24r": 4},
-            "NVIDIA K80",
-            _K80,
-        ),
-        **_sizes(
-            {"Standard_NC6s_v2": 1, "Standard_NC12s_v2": 2, "Standard_NC24s_v2": 4, "Standard_NC24rs_v2": 4},
-            "NVIDIA P100",
-            _P100,
-        ),
-        **_sizes(
-            {"Standard_ND6s": 1, "Standard_ND12s": 2, "Standard_ND24s": 4, "Standard_ND24rs": 4},
-            "NVIDIA P40",
-            _P40,
-        ),
-        **_sizes(
-            {"Standard_NC6s_v3": 1, "Standard_NC12s_v3": 2, "Standard_NC24s_v3": 4, "Standard_NC24rs_v3": 4},
-            "NVIDIA V100",
-            _V100,
-        ),
+        name: VmSize(name, gpus, gpu, retired)
+        for gpu, retired, sizes in _SERIES
+        for name, gpus in sizes.items()
     }
 )
 

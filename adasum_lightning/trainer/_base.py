@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +26,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import SyncBatchNorm
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import reporting, validation
@@ -214,6 +216,32 @@ class UpdateReducingDDPStrategy(DDPStrategy):
             if self.world_size > 1 and _compat.has_sigterm_agreement():
                 # the barrier the other ranks pass after taking that broadcast, before they stop
                 self.barrier("sigterm")
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The step with its update reduced over the ranks (:meth:`_reduced_step`), then a SIGTERM that
+        arrived during it (:meth:`_defer_sigterm_to_step_end`)."""
+        output = self._reduced_step(optimizer, closure, model, kwargs)
+        self._deliver_pending_sigterm()
+        return output
+
+    def _reduced_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        """Each subclass's step: Lightning's local step (:meth:`_local_step`) and the update's reduction."""
+        raise NotImplementedError(f"{type(self).__name__} reduces no update: override _reduced_step")
+
+    def _local_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        """Lightning's own optimizer step: the precision plugin, the closure, ``optimizer.step``."""
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _validate_trainer(self, trainer: pl.Trainer) -> None:
         """Rules on the Trainer's settings and the module, checked when fitting sets up, before any step."""

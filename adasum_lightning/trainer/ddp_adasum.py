@@ -36,39 +36,18 @@ __all__ = ["DDPAdasumStrategy"]
 class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     """Data-parallel training with Adasum on ``torch.distributed``: parameter deltas combined adaptively.
 
-    **Step semantics.** At each optimizer step every rank first runs Lightning's normal local step — the
-    closure (forward and backward), the precision plugin (including fp16's ``GradScaler``: unscaling, and
-    skipping a step whose gradients overflowed), gradient clipping by norm or by value, the accumulation
-    window (``accumulate_grad_batches``: Lightning steps once per window, and on an epoch's last batch for a
-    partial window), manual optimisation's ``opt.step()``, and any closure optimizer such as LBFGS. Then the
-    parameter **deltas** ``d_r = θ_after − θ_before`` of that optimizer's parameters are combined by Adasum
-    over all ranks (:func:`adasum_lightning.adasum_allreduce`) and every rank sets
-    ``θ = θ_before + Adasum(d_0, …, d_{N−1})``, so every rank holds the same parameters after every step. Each
-    rank keeps its own optimizer state (momentum, Adam moments from its local gradients), as under Horovod's
-    Adasum optimizer. Buffers (e.g. BatchNorm running statistics) are not combined: each rank keeps its own.
+    At each optimizer step every rank runs Lightning's local step (closure, precision plugin with fp16's
+    ``GradScaler``, clipping, the accumulation window, manual optimisation, closure optimizers such as LBFGS);
+    then the deltas ``d_r = θ_after − θ_before`` of that optimizer's parameters are combined by Adasum per
+    parameter tensor (Maleki et al., MLSys 2021; Horovod's pairing, any world size) and every rank sets
+    ``θ = θ_before + Adasum(d_0, …, d_{N−1})`` (:func:`adasum_lightning.step.adasum_step`). Each rank keeps
+    its own optimizer state and buffers; no world-size learning-rate scaling. Lightning, ``torchrun``, SLURM
+    or Azure ML start the processes; everything else across ranks is ``DDPStrategy``'s.
 
-    Adasum of two deltas ``a``, ``b`` is ``(1 − a·b/2‖a‖²)·a + (1 − a·b/2‖b‖²)·b`` per parameter tensor
-    (Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021), combined over the
-    ranks in Horovod's pairing (``horovod/common/ops/adasum/adasum.h``); any world size works (the ranks above
-    the largest power of 2 are folded into partners first). Orthogonal deltas add, parallel ones average, so
-    the learning rate needs **no world-size scaling** (``lr_scaling="auto"`` is factor 1).
-
-    Lightning starts the processes (``Trainer(devices=N)``), or ``torchrun``, SLURM or an Azure ML PyTorch
-    job does (Lightning's cluster environments); Gloo on CPU, NCCL on GPU. Horovod is not used. Everything
-    else across ranks is Lightning's ``DDPStrategy`` (see :class:`._base.UpdateReducingDDPStrategy`).
-
-    The step is :func:`adasum_lightning.step.adasum_step`, shared with ``Fabric(strategy="ddp_adasum")`` and
-    :class:`adasum_lightning.AdasumOptimizer`. Memory: one flat copy of the parameters of the optimizer that
-    steps, in which the local step runs and the deltas are reduced, and the reduction's receive buffer (half
-    a copy), kept between steps.
-
-    **Overlap with backward** (``overlap_backward=True``): each bucket of parameters steps and is reduced as
-    soon as backward has accumulated its gradients, while backward goes on — the same parameters, bitwise
-    (:class:`adasum_lightning.step.BackwardAdasumStep`). It needs a per-parameter optimizer (SGD, Adam,
-    AdamW, …), no gradient clipping, no fp16 ``GradScaler``, automatic optimization and no override of
-    ``on_after_backward`` or ``on_before_optimizer_step`` (callbacks or module) or of the module's
-    ``backward``; otherwise that optimizer takes the whole step, and rank 0 logs why, once per fit. Gradient
-    accumulation works (only the window's last backward steps). Measured in docs/benchmarks.md.
+    ``overlap_backward=True`` steps and reduces bucket by bucket during backward, the same parameters
+    bitwise (:class:`adasum_lightning.step.BackwardAdasumStep`), where the result cannot differ (a
+    per-parameter optimizer, automatic optimization, no clipping, no fp16 scaler, no hook between backward
+    and the step); otherwise that optimizer takes the whole step and rank 0 logs why, once per fit.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
@@ -168,12 +147,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
 
     # ------------------------------------------------------------------------------------------ step
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
+    def _reduced_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any, kwargs: dict[str, Any]
     ) -> Any:
         """Lightning's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
         local_optimizer = _compat.unwrap_lightning_optimizer(optimizer)
@@ -188,11 +163,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             finally:
                 backward_step.armed = False
             backward_step.finish()
-        else:
-            local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
-            output = self._periodic_sync(local_optimizer).step(local_step)
-        self._deliver_pending_sigterm()
-        return output
+            return output
+        local_step = functools.partial(self._local_step, optimizer, closure, model, kwargs)
+        return self._periodic_sync(local_optimizer).step(local_step)
 
     def _periodic_sync(self, optimizer: Optimizer) -> PeriodicSync:
         """``optimizer``'s windows, built at its first step (after the broadcast and a checkpoint restore)."""

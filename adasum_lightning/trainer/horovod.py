@@ -143,43 +143,20 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
         return self._horovod_optimizer(optimizer, named, backward_passes_per_step)
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
+    def _reduced_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any, kwargs: dict[str, Any]
     ) -> Any:
-        """Horovod's reduction of the step (``hvd.DistributedOptimizer``), then any SIGTERM deferred to here.
+        """Horovod's reduction of the step (``hvd.DistributedOptimizer``).
 
-        Averaging (``horovod``, and ``horovod_adasum`` at world size 1, where Horovod returns its averaging
-        wrapper): wait for the gradient allreduce right after backward (before clipping and before Lightning's
-        ``on_before_optimizer_step``), then step without a second synchronisation. For an optimizer whose
-        ``step`` needs a closure (LBFGS, which evaluates it several times per step), the loss the closure
-        returns to the optimizer is averaged over the ranks too, so that every rank takes the same decisions
-        on the same averaged gradients and stays identical.
-
-        Adasum (``horovod_adasum``): Horovod's ``step()`` runs the closure (forward and backward, whose hooks
-        already ran the local step and started the delta allreduce), then waits and applies the reduced
-        delta. It has no ``synchronize()`` and its ``skip_synchronize()`` raises, so the step goes straight
-        through.
+        Averaging (also ``horovod_adasum`` at world size 1, where Horovod averages): wait for the gradient
+        allreduce right after backward, before clipping and ``on_before_optimizer_step``, then step without a
+        second one; a closure optimizer's loss (LBFGS) is averaged too, so every rank decides alike.
+        Adasum: Horovod's ``step()`` runs the closure, whose backward hooks ran the local steps and started
+        the delta allreduce, then applies the reduced deltas.
         """
         hvd_optimizer = _compat.unwrap_lightning_optimizer(optimizer)
         if _compat.is_horovod_adasum_optimizer(hvd_optimizer):
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        else:
-            output = self._averaging_step(hvd_optimizer, optimizer, closure, model, **kwargs)
-        self._deliver_pending_sigterm()
-        return output
-
-    def _averaging_step(
-        self,
-        hvd_optimizer: Optimizer,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None,
-        **kwargs: Any,
-    ) -> Any:
+            return self._local_step(optimizer, closure, model, kwargs)
         average_loss = needs_closure(hvd_optimizer)
 
         def closure_then_synchronize() -> Any:
@@ -190,7 +167,7 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
             return result
 
         with hvd_optimizer.skip_synchronize():
-            return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+            return self._local_step(optimizer, closure_then_synchronize, model, kwargs)
 
     @override
     def teardown(self) -> None:

@@ -47,6 +47,11 @@ __all__ = [
     "check_horovod_dtypes",
     "check_sync_batchnorm",
     "check_launcher_world_size",
+    "ADASUM_MESH_DIMS",
+    "check_shard_size",
+    "check_adasum_mesh",
+    "check_sharded_parameters",
+    "check_mesh_options",
     "reported_on_every_rank",
     "check_uneven_inputs",
     "scaled_learning_rate_message",
@@ -656,4 +661,91 @@ def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int]
             f"{owner}: the outer optimizer must step the same parameters as the inner one ({missing} of the "
             f"inner optimizer's parameters missing, {extra} others): build it over the same parameters, e.g. "
             "torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)."
+        )
+
+
+#: The dimension names of the 2-D device mesh of Adasum across replica groups, FSDP2 inside each
+#: (:mod:`adasum_lightning.sharded`): ``replicate`` (the replica groups) first, ``shard`` (a group's ranks).
+ADASUM_MESH_DIMS = ("replicate", "shard")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_shard_size(world_size: int, shard_size: object, owner: str = "fsdp_adasum") -> None:
+    """``shard_size`` (the ranks of one replica group, which FSDP2 shards the model over) is a whole number
+    ≥ 1 that divides ``world_size``: the world is ``world_size // shard_size`` replica groups.
+
+    Raises:
+        AdasumConfigurationError: naming the shard sizes this world size allows.
+    """
+    allowed = ", ".join(str(d) for d in _divisors(max(world_size, 1)))
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise AdasumConfigurationError(
+            f"{owner}: shard_size is the number of ranks of one replica group (FSDP2 shards the model over "
+            f"them), a whole number ≥ 1; got {shard_size!r}. With {world_size} processes pass one of "
+            f"{allowed}."
+        )
+    if world_size % shard_size:
+        raise AdasumConfigurationError(
+            f"{owner}: shard_size={shard_size} does not divide the {world_size} processes into replica "
+            f"groups: pass shard_size as one of {allowed}, or launch a multiple of {shard_size} processes."
+        )
+
+
+def check_adasum_mesh(ndim: int, dim_names: Sequence[str] | None, owner: str = "AdasumOptimizer") -> None:
+    """The device mesh of sharded Adasum is 2-D with the dimensions named ``("replicate", "shard")``
+    (:data:`ADASUM_MESH_DIMS`), replica groups first.
+
+    Raises:
+        AdasumConfigurationError: naming the mesh given and how to build the right one.
+    """
+    names = tuple(dim_names) if dim_names is not None else None
+    if ndim != 2 or names != ADASUM_MESH_DIMS:
+        raise AdasumConfigurationError(
+            f"{owner}: the mesh must be 2-D with dimensions named {ADASUM_MESH_DIMS} (replica groups × the "
+            f"ranks FSDP2 shards over), got a {ndim}-D mesh named {names}. Build it with "
+            "torch.distributed.device_mesh.init_device_mesh(device_type, (world_size // shard_size, "
+            "shard_size), mesh_dim_names=('replicate', 'shard')) and shard the model with "
+            "fully_shard(..., mesh=mesh['shard'])."
+        )
+
+
+def check_sharded_parameters(owner: str, shard_size: int, unsharded: Sequence[str]) -> None:
+    """Every parameter is sharded by FSDP2 over the shard group (a ``DTensor`` with ``Shard`` placements on
+    the 1-D mesh ``mesh["shard"]``); with ``shard_size`` 1 plain tensors are whole tensors and fine.
+    ``unsharded``: a description of each parameter that is not.
+
+    Raises:
+        AdasumConfigurationError: naming up to three such parameters and the fix.
+    """
+    if not unsharded:
+        return
+    shown = "; ".join(unsharded[:3]) + (f"; and {len(unsharded) - 3} more" if len(unsharded) > 3 else "")
+    raise AdasumConfigurationError(
+        f"{owner}: {len(unsharded)} parameter(s) are not sharded over the mesh's 'shard' dimension "
+        f"(size {shard_size}): {shown}. Apply fully_shard(block, mesh=mesh['shard']) to each block and then "
+        "to the root module before building the optimizer (not on the 2-D mesh: that would average the "
+        "gradients across the replica groups, which Adasum combines instead)."
+    )
+
+
+def check_mesh_options(owner: str, sync_every: int, combine: str, outer_optimizer: bool) -> None:
+    """With a device mesh (Adasum across replica groups, FSDP2 inside) every step is combined by Adasum: no
+    local-SGD window, no mean, no outer optimizer (not supported yet).
+
+    Raises:
+        AdasumConfigurationError: naming the option to drop.
+    """
+    given = [
+        *([f"sync_every={sync_every}"] if sync_every != 1 else []),
+        *([f"combine={combine!r}"] if combine != "adasum" else []),
+        *(["an outer_optimizer"] if outer_optimizer else []),
+    ]
+    if given:
+        raise AdasumConfigurationError(
+            f"{owner}: with a mesh (Adasum across replica groups, FSDP2 inside each) every step is combined "
+            f"by Adasum; {' and '.join(given)} is not supported there yet: drop it (sync_every=1, "
+            "combine='adasum', no outer_optimizer), or train without the mesh (unsharded, over all ranks)."
         )

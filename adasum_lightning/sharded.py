@@ -1,0 +1,303 @@
+"""Adasum across replica groups, FSDP2 sharding inside each group (``torch`` only).
+
+The world is a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` ``replicate × shard``: ``R`` replica
+groups of ``S`` ranks (``init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))``,
+row-major: ranks ``0 … S−1`` are replica group 0). Inside a group FSDP2 works as usual (``fully_shard`` on the
+1-D ``mesh["shard"]``): the gradients are reduce-scattered and averaged over the group and each rank steps its
+own shard with its own shard of the optimizer state. Across the groups nothing is all-reduced; instead the
+groups' parameter deltas ``θ_after − θ_before`` of the local step are combined by Adasum (Maleki et al.,
+"Scaling Distributed Training with Adaptive Summation", MLSys 2021), per parameter as a whole tensor: its dot
+products and squared norms are summed (float64) over the shard group. This is Horovod 0.28.1's hierarchical
+Adasum (``horovod/common/ops/adasum_gpu_operations.cc``, ``NcclHierarchical``: reduce-scatter inside a node,
+Adasum across nodes) with a replica group of ranks in place of a node, and FSDP2's sharded step in place of
+the reduce-scatter. Each replica group keeps its own optimizer state; all groups hold the same parameters.
+
+Pairing (that of :func:`adasum_lightning.allreduce.adasum_allreduce` and :func:`adasum_lightning.ops.
+adasum_reduce`, over replica indices): for ``R = 2**k`` recursive doubling, group ``q`` with ``q XOR d`` at
+``d = 1, 2, 4, …`` (neighbours first); otherwise, with ``P`` the largest power of 2 ≤ ``R``, groups
+``q ≥ P`` are first folded into ``q − P``, then groups ``0 … P−1`` are reduced, then the result is sent back
+to groups ``q ≥ P``. Every exchange moves whole local shards (rank ``(q, j)`` with rank ``(q', j)``, on the
+replicate group); both partners compute the combination from the same operands in the same order (the lower
+replica index's first), so the replicas stay bitwise identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from adasum_lightning import validation
+from adasum_lightning.allreduce import (
+    CPU_CHUNK,
+    DEVICE_CHUNK,
+    _check_tensor,
+    _coefficients,
+    _Comm,
+    _local_grams,
+    _plan,
+    _scaled_add,
+    workspace,
+)
+from adasum_lightning.step import world_size
+
+__all__ = [
+    "replica_groups",
+    "adasum_allreduce_sharded",
+    "sharded_adasum_step",
+    "broadcast_from_replica_zero",
+    "local_shards",
+]
+
+T = TypeVar("T")
+
+
+def replica_groups(
+    mesh: DeviceMesh, owner: str = "AdasumOptimizer"
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's ``(replicate_group, shard_group)`` of a 2-D mesh of dimensions ``("replicate", "shard")``.
+
+    The replicate group holds the ranks at this rank's shard position in every replica group (one per group,
+    in replica order); the shard group the ranks of this rank's replica group.
+
+    Raises:
+        AdasumConfigurationError: the mesh is not 2-D or its dimensions are not named
+            ``("replicate", "shard")`` (:func:`adasum_lightning.validation.check_adasum_mesh`).
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{owner}'s mesh is a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: build "
+            "it with init_device_mesh(device_type, (replica_groups, shard_size), "
+            "mesh_dim_names=('replicate', 'shard'))."
+        )
+    validation.check_adasum_mesh(mesh.ndim, mesh.mesh_dim_names, owner)
+    return mesh.get_group("replicate"), mesh.get_group("shard")
+
+
+def local_shards(
+    params: Sequence[torch.Tensor], shard_group: dist.ProcessGroup, owner: str = "sharded_adasum_step"
+) -> list[torch.Tensor]:
+    """Each parameter's local shard on this rank: ``p.to_local()`` of a ``DTensor`` (a view of the parameter's
+    own storage, as FSDP2 keeps it), the tensor itself for a plain one.
+
+    Raises:
+        AdasumConfigurationError: with a shard group of more than one rank, a parameter that is not a
+            ``DTensor`` with ``Shard`` placements on a 1-D mesh of that group's ranks
+            (:func:`adasum_lightning.validation.check_sharded_parameters`).
+    """
+    size = world_size(shard_group)
+    ranks = dist.get_process_group_ranks(shard_group) if size > 1 else []
+    out, unsharded = [], []
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            sharded = all(isinstance(pl, Shard) for pl in p.placements)
+            if mesh.ndim != 1 or not sharded or (size > 1 and mesh.mesh.flatten().tolist() != ranks):
+                unsharded.append(f"#{i} {tuple(p.shape)} {tuple(p.placements)} on {mesh}")
+            with torch.no_grad():
+                out.append(p.to_local())
+        else:
+            if size > 1:
+                unsharded.append(f"#{i} {tuple(p.shape)} a plain {type(p).__name__}")
+            out.append(p)
+    validation.check_sharded_parameters(owner, size, unsharded)
+    return out
+
+
+def broadcast_from_replica_zero(params: Sequence[torch.Tensor], replicate_group: dist.ProcessGroup) -> None:
+    """Give every replica group replica group 0's parameters, in place: each rank's local shards from the rank
+    at its shard position in group 0, over ``replicate_group`` (empty shards skipped). No-op for one group.
+
+    The shards inside a group come from its own ranks: build the model from the same seed (or load the same
+    checkpoint) on every rank before ``fully_shard``, as FSDP2 itself needs.
+    """
+    if world_size(replicate_group) == 1:
+        return
+    src = dist.get_global_rank(replicate_group, 0)
+    with torch.no_grad():
+        for p in params:
+            t = p.to_local() if isinstance(p, DTensor) else p.data
+            if t.numel():
+                buffer = t if t.is_contiguous() else t.contiguous()
+                dist.broadcast(buffer, src=src, group=replicate_group)
+                if buffer is not t:
+                    t.copy_(buffer)
+
+
+def adasum_allreduce_sharded(
+    tensors: Sequence[torch.Tensor],
+    replicate_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    timeout: timedelta | None = None,
+) -> list[torch.Tensor]:
+    """Adasum over the replica groups of whole tensors sharded over each group, in place.
+
+    ``tensors`` are this rank's local shards (any shapes, possibly empty); the ranks of one shard group pass
+    the shards of the same whole tensors in the same order, and the rank at the same shard position in every
+    replica group passes shards of the same shapes. Afterwards each shard holds its part of
+    ``adasum(whole tensor over the replica groups)`` (module docstring), the same bits in every replica group:
+    ``adasum(a, b) = (1 − a·b/(2‖a‖²))·a + (1 − a·b/(2‖b‖²))·b`` per whole tensor, the dot product and squared
+    norms of the local shards in float64 summed over ``shard_group`` (a coefficient is 1 when the squared
+    norm is below :data:`~adasum_lightning.ops.ADASUM_NORM_EPS`), the combination in float64, rounded once
+    to the dtype (as :func:`adasum_lightning.ops.adasum`).
+
+    Per level: one point-to-point exchange of the whole local shards (one flat buffer per dtype and device)
+    with the partner on ``replicate_group`` (global ranks through ``dist.get_global_rank``), and one
+    ``all_reduce`` of ``3 × len(tensors)`` float64 statistics on ``shard_group``. With a shard group of one
+    rank the arithmetic is :func:`adasum_lightning.allreduce.adasum_allreduce`'s small-bucket path, bitwise.
+
+    Args:
+        tensors: the local shards, dtypes float16, bfloat16, float32 or float64.
+        replicate_group: this rank's replicate group (:func:`replica_groups`).
+        shard_group: this rank's shard group.
+        timeout: how long one point-to-point exchange waits for its peer on Gloo (see
+            :func:`adasum_lightning.adasum_allreduce`).
+
+    Returns:
+        ``tensors`` as a list, reduced in place. One replica group (or an empty list): a no-op.
+
+    Raises:
+        TypeError: an element is not a tensor of a supported dtype.
+        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
+    """
+    out = tensors if isinstance(tensors, list) else list(tensors)
+    for i, t in enumerate(out):
+        _check_tensor(t, i)
+    if not out or world_size(replicate_group) == 1 or dist.get_rank(replicate_group) < 0:
+        return out
+    with torch.no_grad():
+        for bucket in _buckets(out).values():
+            total = sum(t.numel() for t in bucket)
+            flat = workspace(total, bucket[0].dtype, bucket[0].device, slot="sharded-flat")
+            torch.cat([t.reshape(-1) for t in bucket], out=flat)
+            _reduce_sharded(flat, [t.numel() for t in bucket], replicate_group, shard_group, timeout)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+    return out
+
+
+def sharded_adasum_step(
+    params: Sequence[torch.Tensor],
+    local_step: Callable[[], T],
+    replicate_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    timeout: timedelta | None = None,
+) -> T:
+    """Run ``local_step`` (this replica group's sharded optimizer step), then replace its update of ``params``
+    by the Adasum of every replica group's update: ``θ := θ_before + Adasum(θ_after − θ_before)`` per whole
+    parameter (:func:`adasum_allreduce_sharded`).
+
+    ``params`` are FSDP2's sharded parameters (``DTensor`` with ``Shard`` placements on ``mesh["shard"]``);
+    each rank copies its local shards (θ_before, one flat copy per dtype and device), runs ``local_step``,
+    writes the deltas into a second flat buffer, combines them and writes ``θ_before + combined`` into the
+    local shards (``to_local()``, a view of the parameter's storage). Every rank must call this for the same
+    parameters at the same step. One replica group: ``local_step()`` alone.
+
+    Raises:
+        AdasumConfigurationError: a parameter is not sharded over ``shard_group`` (see :func:`local_shards`).
+        TypeError: a parameter's dtype is not one the reduction supports.
+        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
+    """
+    if world_size(replicate_group) == 1:
+        return local_step()
+    params = [p for p in params if p.numel()]  # the whole tensor's size: the same on every rank
+    shards = local_shards(params, shard_group)
+    for i, t in enumerate(shards):
+        _check_tensor(t, i)
+    buckets = _buckets(shards)
+    befores = {}
+    with torch.no_grad():
+        for key, bucket in buckets.items():
+            before = workspace(sum(t.numel() for t in bucket), *key, slot="sharded-before")
+            torch.cat([t.reshape(-1) for t in bucket], out=before)
+            befores[key] = before
+    output = local_step()
+    with torch.no_grad():
+        after = _buckets(local_shards(params, shard_group))  # the same views, looked up again after the step
+        for key, bucket in after.items():
+            before, counts = befores[key], [t.numel() for t in bucket]
+            delta = workspace(before.numel(), *key, slot="sharded-delta")
+            offset = 0
+            for t, n in zip(bucket, counts, strict=True):
+                torch.sub(t.reshape(-1), before[offset : offset + n], out=delta[offset : offset + n])
+                offset += n
+            _reduce_sharded(delta, counts, replicate_group, shard_group, timeout)
+            offset = 0
+            for t, n in zip(bucket, counts, strict=True):
+                if t.is_contiguous():
+                    torch.add(before[offset : offset + n], delta[offset : offset + n], out=t.view(-1))
+                else:  # a plain parameter (a shard group of one) may be a non-contiguous view
+                    t.copy_((before[offset : offset + n] + delta[offset : offset + n]).view(t.shape))
+                offset += n
+    return output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Internals
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+    """Tensors by dtype and device, in order; empty local shards kept (the shard group's statistics align)."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    return buckets
+
+
+def _reduce_sharded(
+    flat: torch.Tensor,
+    counts: list[int],
+    replicate_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    timeout: timedelta | None,
+) -> None:
+    """Adasum over the replica groups of one flat buffer of local shards (``counts`` elements each)."""
+    size = dist.get_world_size(replicate_group)
+    comm = _Comm(replicate_group, dist.get_rank(replicate_group), size, timeout)
+    q, size = comm.rank, comm.size
+    p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
+    if q >= p:  # folded into q - p; the result comes back at the end
+        comm.exchange(q - p, flat, None)
+        comm.exchange(q - p, None, flat)
+        return
+    recv = workspace(flat.numel(), flat.dtype, flat.device, slot="sharded-recv")
+    plan = _plan(counts, CPU_CHUNK if flat.device.type == "cpu" else DEVICE_CHUNK)
+    if q + p < size:
+        comm.exchange(q + p, None, recv)
+        _combine(flat, recv, True, plan, len(counts), shard_group)
+    d = 1
+    while d < p:
+        comm.exchange(q ^ d, flat, recv)
+        _combine(flat, recv, q < q ^ d, plan, len(counts), shard_group)
+        d <<= 1
+    if q + p < size:
+        comm.exchange(q + p, flat, None)
+
+
+def _combine(
+    own: torch.Tensor,
+    theirs: torch.Tensor,
+    own_is_low: bool,
+    plan: list,
+    num: int,
+    shard_group: dist.ProcessGroup,
+) -> None:
+    """``own := adasum(low, up)`` per whole tensor, ``low`` the lower replica index's shards: the statistics
+    ``[low·up, ‖low‖², ‖up‖²]`` of the local shards summed over ``shard_group``, Horovod's coefficients
+    (``adasum.h``), the combination in float64 — the same operations in the same order on both partners."""
+    low, up = (own, theirs) if own_is_low else (theirs, own)
+    grams = _local_grams(low, up, plan, num)  # per tensor [low·low, low·up, up·low, up·up]
+    stats = grams[:, [1, 0, 3]].contiguous()
+    if world_size(shard_group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard_group)
+    _scaled_add(low, up, plan, _coefficients(stats, left=True))  # low := c_low·low + c_up·up
+    if not own_is_low:
+        own.copy_(theirs)

@@ -208,7 +208,10 @@ class AdasumOptimizer(Optimizer):
         fingerprint = torch.stack([sum((s for s, _ in sums), zero), sum((q for _, q in sums), zero)])
         gathered = [torch.empty_like(fingerprint) for _ in range(world_size(group))]
         dist.all_gather(gathered, fingerprint, group=group)
-        if all(torch.equal(f, gathered[0]) for f in gathered) and dist.get_rank() == 0:
+        first = dist.get_rank(group) == 0 and (
+            self.replica_groups is None or dist.get_rank(self.replica_groups[1]) == 0
+        )
+        if all(torch.equal(f, gathered[0]) for f in gathered) and first:
             warnings.warn(identical_gradients_message("AdasumOptimizer"), stacklevel=3)
 
     def _step_with_scale_handed_on(self, grad_scale: torch.Tensor, found_inf: torch.Tensor | None) -> Any:

@@ -21,6 +21,7 @@ from adasum_lightning.validation import (
     check_mesh_options,
     check_shard_size,
     check_sharded_parameters,
+    identical_gradients_message,
 )
 from tests.cases import Launch, case
 from tests.helpers import expected_message
@@ -41,6 +42,9 @@ ALLREDUCE = {
     (3, 2): case(SIX, "fsdp-allreduce-3x2", "fsdp", "allreduce", "--shard-size", "2"),
 }
 REFUSALS = case(FOUR, "fsdp-refusals", "fsdp", "refusals", "--shard-size", "2")
+SAME_DATA = case(
+    FOUR, "fsdp-same-data", "fsdp", "train", "--shard-size", "2", "--same-data-per-group", "--steps", "1"
+)
 
 #: Float32 round-off: the reference averages the loss, FSDP2 the gradients (reduce-scatter, then ÷ S).
 ATOL = 1e-6
@@ -91,6 +95,7 @@ def test_sharded_training_equals_the_unsharded_algorithm(groups, shard_size, cas
         # every replica group started from group 0's parameters (the others had moved theirs away)
         assert all(torch.equal(res["start"][k], v) for k, v in seeded.items()), r
         assert res["batches"] != ranks[(r + 1) % world]["batches"], r
+        assert res["warned"] == [], r
         difference = max_difference(res["end"], expected)
         assert difference <= ATOL, (r, difference)
         assert max_difference(res["end"], reference(ranks, shard_size, mean)) > 1e-4  # Adasum, not the mean
@@ -131,6 +136,17 @@ def test_allreduce_of_sharded_tensors_is_the_adasum_of_the_whole_tensors(groups,
             assert torch.allclose(shard, part, rtol=1e-6, atol=1e-7), (r, i, (shard - part).abs().max())
             assert torch.equal(shard, ranks[r % shard_size]["shards"][i]), (r, i)  # group 0's bits
     assert ranks[1]["shards"][1].numel() == 0  # a (1, 3) tensor has no second chunk
+
+
+@pytest.mark.cases(SAME_DATA)
+def test_the_first_rank_warns_when_every_replica_group_had_the_same_gradients(cases):
+    # the same batches in both replica groups: equal gradient shards across the replicate groups
+    ranks = cases[SAME_DATA].ranks
+    assert ranks[0]["batches"] == ranks[2]["batches"] != ranks[1]["batches"]
+    assert [res["warned"] for res in ranks] == [[identical_gradients_message("AdasumOptimizer")], [], [], []]
+    expected = reference(ranks, 2)
+    for r, res in enumerate(ranks):
+        assert max_difference(res["end"], expected) <= ATOL, r
 
 
 @pytest.mark.cases(REFUSALS)

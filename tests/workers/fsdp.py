@@ -7,7 +7,8 @@ usage: torchrun --nproc-per-node N -m tests.workers.fsdp OUT {train,allreduce,re
   per layer and at the root over ``mesh["shard"]`` of a ``(N // S, S)`` mesh; SGD (lr 0.1, momentum 0.9) in
   ``AdasumOptimizer(mesh=mesh)``; ``--steps`` steps, rank r's batch at step t the samples
   ``(t·N + r)·4 … +3`` of ``IndexedData(64)`` (another batch on every rank). Saves the full parameters at the
-  start and the end, the local shards of the parameters and of the momentum, and the batches. With S = 1 the
+  start and the end, the local shards of the parameters and of the momentum, the batches and the
+  AdasumOptimizer warnings (``--same-data-per-group``: every group reads group 0's batches). With S = 1 the
   same training also runs unsharded with ``AdasumOptimizer`` (no mesh), saved as ``plain_end``.
 - ``allreduce``: ``adasum_allreduce_sharded`` of a float32 (5, 3), a float32 (1, 3) (an empty shard beyond
   the first rank) and a float64 (7,) tensor, whole tensors drawn per replica group (seed 10 + group) and cut
@@ -17,6 +18,7 @@ usage: torchrun --nproc-per-node N -m tests.workers.fsdp OUT {train,allreduce,re
 """
 
 import argparse
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,6 +38,9 @@ p.add_argument("out")
 p.add_argument("job", choices=("train", "allreduce", "refusals"))
 p.add_argument("--shard-size", type=int, default=2)
 p.add_argument("--steps", type=int, default=3)
+p.add_argument(
+    "--same-data-per-group", action="store_true", help="every replica group reads group 0's batches"
+)
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -61,13 +66,22 @@ def sharded_net(mesh):
     return net
 
 
-def full(net) -> dict:
-    # full_tensor() all-gathers over the shard group (every rank of it calls it)
-    return {k: v.full_tensor().detach().clone() for k, v in net.state_dict().items()}
+def full(net, mesh) -> dict:
+    """The full parameters: the local shards gathered over the shard group, concatenated along dim 0.
+
+    Not ``DTensor.full_tensor()``: DTensor caches its sharding decisions by mesh, and meshes compare equal by
+    layout, so an earlier case's mesh of the same layout (its groups destroyed by the case runner) would be
+    the one used.
+    """
+    shards = [q.to_local().detach().clone() for q in net.parameters()]
+    gathered = [None] * S
+    dist.all_gather_object(gathered, shards, group=mesh.get_group("shard"))
+    names = [k for k, _ in net.named_parameters()]
+    return {k: torch.cat([g[i] for g in gathered]) for i, k in enumerate(names)}
 
 
 def batch_indices(step: int) -> list[int]:
-    first = (step * world + rank) * BATCH
+    first = (step * world + (rank % S if args.same_data_per_group else rank)) * BATCH
     return [(first + i) % 64 for i in range(BATCH)]
 
 
@@ -92,12 +106,14 @@ def run_train() -> dict:
             for q in net.parameters():
                 q.to_local().add_(1.0)
     optimizer = AdasumOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM), mesh=mesh)
-    start = full(net)
-    batches = train(net, optimizer)
+    start = full(net, mesh)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        batches = train(net, optimizer)
     names = [k for k, _ in net.named_parameters()]
     result = {
         "start": start,
-        "end": full(net),
+        "end": full(net, mesh),
         "local": {k: q.to_local().detach().clone() for k, q in net.named_parameters()},
         "momentum": {
             k: optimizer.state[q]["momentum_buffer"].to_local().clone()
@@ -105,6 +121,7 @@ def run_train() -> dict:
         },
         "batches": batches,
         "mesh": mesh.mesh.tolist(),
+        "warned": [str(w.message) for w in warned if str(w.message).startswith("AdasumOptimizer")],
     }
     if S == 1:  # the same training unsharded, every rank a replica: AdasumOptimizer without a mesh
         torch.manual_seed(100)

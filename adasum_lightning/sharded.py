@@ -52,6 +52,7 @@ __all__ = [
     "sharded_adasum_step",
     "broadcast_from_replica_zero",
     "local_shards",
+    "full_tensor",
 ]
 
 T = TypeVar("T")
@@ -108,6 +109,36 @@ def local_shards(
             out.append(p)
     validation.check_sharded_parameters(owner, size, unsharded)
     return out
+
+
+def full_tensor(t: torch.Tensor, shard_group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole tensor of a ``DTensor`` sharded over ``shard_group`` (``Shard(d)`` placement: FSDP2's chunks
+    of ``ceil(n / S)`` along dim ``d``, the last ones shorter or empty); a plain tensor as it is. A collective
+    on ``shard_group``: every rank of it calls this for the same tensors.
+
+    Gathered by ``all_gather`` of the padded local shards on ``shard_group`` itself, not by
+    ``DTensor.full_tensor()``: DTensor caches its redistribution plans by mesh, and meshes compare equal by
+    layout, so in a process that destroyed an earlier mesh's groups and built an equal mesh the cached plan
+    would name the destroyed groups.
+
+    Returns:
+        A new tensor of ``t``'s global shape, dtype and device.
+    """
+    if not isinstance(t, DTensor):
+        return t.detach().clone()
+    local = t.to_local().detach()
+    size = world_size(shard_group)
+    if size == 1:
+        return local.clone()
+    placement = t.placements[0]
+    assert isinstance(placement, Shard), placement
+    dim, n = placement.dim, t.shape[placement.dim]
+    chunk = -(-n // size)
+    padded = local.new_zeros((*local.shape[:dim], chunk, *local.shape[dim + 1 :]))
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded.contiguous(), group=shard_group)
+    return torch.cat(parts, dim=dim).narrow(dim, 0, n).clone()
 
 
 def broadcast_from_replica_zero(params: Sequence[torch.Tensor], replicate_group: dist.ProcessGroup) -> None:

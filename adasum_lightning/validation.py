@@ -52,6 +52,7 @@ __all__ = [
     "check_adasum_mesh",
     "check_sharded_parameters",
     "check_mesh_options",
+    "check_resume_mesh",
     "reported_on_every_rank",
     "check_uneven_inputs",
     "scaled_learning_rate_message",
@@ -748,4 +749,22 @@ def check_mesh_options(owner: str, sync_every: int, combine: str, outer_optimize
             f"{owner}: with a mesh (Adasum across replica groups, FSDP2 inside each) every step is combined "
             f"by Adasum; {' and '.join(given)} is not supported there yet: drop it (sync_every=1, "
             "combine='adasum', no outer_optimizer), or train without the mesh (unsharded, over all ranks)."
+        )
+
+
+def check_resume_mesh(
+    saved: Sequence[int], current: Sequence[int], strategy_name: str = "fsdp_adasum"
+) -> None:
+    """A checkpoint of sharded optimizer states (every rank's own shard of its replica group's state) resumes
+    on the mesh it was saved on: ``saved`` and ``current`` are ``(replica groups, shard_size)``.
+
+    Raises:
+        AdasumConfigurationError: naming both meshes and the settings that match.
+    """
+    if tuple(saved) != tuple(current):
+        groups, shard = saved
+        raise AdasumConfigurationError(
+            f"{strategy_name}: the checkpoint holds optimizer states sharded over a {groups} × {shard} mesh "
+            f"(replica groups × shard_size), this run has {current[0]} × {current[1]}; resuming on another "
+            f"mesh is not supported yet. Resume with {groups * shard} processes and shard_size={shard}."
         )

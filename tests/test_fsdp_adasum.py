@@ -19,11 +19,12 @@ from adasum_lightning.validation import (
     AdasumConfigurationError,
     check_adasum_mesh,
     check_mesh_options,
+    check_resume_mesh,
     check_shard_size,
     check_sharded_parameters,
     identical_gradients_message,
 )
-from tests.cases import Launch, case
+from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import expected_message
 from tests.workers.samples import IndexedData, tiny_net
 
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.mpi
 
 FOUR = Launch("torchrun", 4, group="fsdp")
 SIX = Launch("torchrun", 6, group="fsdp")
+TRAINER = Launch("lightning", 4, group="fsdp")
 
 TRAIN = {
     (2, 2): case(FOUR, "fsdp-train-2x2", "fsdp", "train", "--shard-size", "2"),
@@ -244,3 +246,96 @@ def test_mesh_options_rule(sync_every, combine, outer, given):
     with pytest.raises(AdasumConfigurationError) as info:
         check_mesh_options("AdasumOptimizer", sync_every, combine, outer)
     assert f"every step is combined by Adasum; {given} is not supported there yet: drop it" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Trainer: strategy="fsdp_adasum" (FSDPAdasumStrategy)
+
+
+def trainer_case(name: str, *args: str):
+    return case(TRAINER, f"fsdp-trainer-{name}", "fsdp_trainer", "--shard-size", "2", *args)
+
+
+FIT = trainer_case("fit-3", "--max-steps", "3")
+SAVED = trainer_case("save-2", "--max-steps", "2", "--save")
+RESUMED = trainer_case("resume-3", "--max-steps", "3", "--resume", "{fsdp-trainer-save-2}/ckpt")
+OTHER_MESH = case(TRAINER, "fsdp-trainer-resume-4x1", "fsdp_trainer", "--shard-size", "1", "--max-steps", "3",
+                  "--resume", "{fsdp-trainer-save-2}/ckpt")  # fmt: skip
+DDP_SAVED = trainer_case("ddp-save-2", "--strategy", "ddp_adasum", "--max-steps", "2", "--save")
+FROM_DDP = trainer_case("from-ddp-3", "--max-steps", "3", "--resume", "{fsdp-trainer-ddp-save-2}/ckpt")
+
+
+def assert_same_shards(ranks: list[dict], others: list[dict], what: str) -> None:
+    for r, (res, other) in enumerate(zip(ranks, others, strict=True)):
+        for key in ("local", "momentum"):
+            for k, t in res[key].items():
+                assert torch.equal(t, other[key][k]), (
+                    what,
+                    r,
+                    key,
+                    k,
+                    float((t - other[key][k]).abs().max()),
+                )
+
+
+@pytest.mark.cases(FIT, TRAIN[2, 2])
+def test_the_trainer_trains_as_the_plain_loop_bitwise(cases):
+    ranks = cases[FIT].ranks
+    plain = cases[TRAIN[2, 2]].ranks
+    expected = reference(ranks, 2)
+    for r, res in enumerate(ranks):
+        assert (res["world_size"], res["steps"], res["mesh"]) == (4, 3, [[0, 1], [2, 3]]), r
+        assert res["sharded"] == ["", "net"], r  # the top-level child with parameters, then the root
+        assert res["batches"] == plain[r]["batches"], r
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+    assert_same_shards(ranks, plain, "trainer vs plain")
+
+
+@pytest.mark.cases(FIT, SAVED, RESUMED)
+def test_a_resumed_fit_continues_exactly(cases):
+    # every rank saved its own shard of its group's momentum beside the checkpoint of the whole model
+    straight, resumed = cases[FIT].ranks, cases[RESUMED].ranks
+    checkpoint = torch.load(cases[SAVED].out / "ckpt", weights_only=False)
+    assert checkpoint["adasum_sharded_optimizer_mesh"] == [2, 2]
+    saved = cases[SAVED].ranks
+    assert {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()} == {
+        "net.0.weight": (16, 8), "net.0.bias": (16,), "net.2.weight": (4, 16), "net.2.bias": (4,)
+    }  # fmt: skip
+    for k, v in checkpoint["state_dict"].items():
+        assert torch.equal(v, saved[0]["end"][k.removeprefix("net.")]), k
+    for r, res in enumerate(resumed):
+        assert res["steps"] == 3 and res["batches"] == straight[r]["batches"][2:], r
+        for k, m in res["resumed_momentum"].items():
+            assert torch.equal(m, saved[r]["momentum"][k]), (r, k)
+    assert_same_shards(resumed, straight, "resumed vs straight")
+
+
+@pytest.mark.cases(SAVED, OTHER_MESH)
+def test_a_resume_on_another_mesh_is_refused_on_every_rank(cases):
+    message = expected_message(check_resume_mesh, [2, 2], (4, 1))
+    assert message.endswith(
+        "resuming on another mesh is not supported yet. Resume with 4 processes and shard_size=2."
+    )
+    assert_refused_on_every_rank(cases[OTHER_MESH], message)
+
+
+@pytest.mark.cases(DDP_SAVED, FROM_DDP)
+def test_a_ddp_adasum_checkpoint_resumes_with_each_rank_taking_its_chunk(cases):
+    saved, resumed = cases[DDP_SAVED].ranks, cases[FROM_DDP].ranks
+    for r, res in enumerate(resumed):
+        assert res["steps"] == 3, r
+        for k, m in res["resumed_momentum"].items():
+            # rank r's own momentum of the ddp_adasum run, cut as FSDP2 cuts the parameter
+            assert torch.equal(m, torch.chunk(saved[r]["momentum"][k], 2)[r % 2]), (r, k)
+        assert all(torch.equal(res["start"][k], saved[0]["end"][k]) for k in res["start"]), r
+
+
+def test_resume_mesh_rule():
+    check_resume_mesh([2, 2], (2, 2))
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_resume_mesh((2, 4), (4, 2))
+    assert str(info.value) == (
+        "fsdp_adasum: the checkpoint holds optimizer states sharded over a 2 × 4 mesh (replica groups × "
+        "shard_size), this run has 4 × 2; resuming on another mesh is not supported yet. Resume with 8 "
+        "processes and shard_size=4."
+    )

@@ -1,0 +1,295 @@
+"""``fsdp_adasum``: Adasum across replica groups, FSDP2 inside each (:mod:`adasum_lightning.sharded`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from pytorch_lightning.accelerators import Accelerator
+from pytorch_lightning.plugins.precision import Precision
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from adasum_lightning import validation
+from adasum_lightning._strategy_parts import check_launcher_world_size, make_parameters_contiguous
+from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.sharded import full_tensor, local_shards, sharded_adasum_step
+from adasum_lightning.step import optimizer_parameters
+
+from . import _compat
+from ._base import UpdateReducingDDPStrategy
+
+__all__ = ["FSDPAdasumStrategy", "SHARDED_OPTIMIZER_MESH"]
+
+#: The checkpoint key recording the mesh ``(replica groups, shard_size)`` whose ranks saved their own shard
+#: of their replica group's optimizer state.
+SHARDED_OPTIMIZER_MESH = "adasum_sharded_optimizer_mesh"
+
+
+class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
+    """Adasum across replica groups of ``shard_size`` ranks, each group training a model sharded by FSDP2.
+
+    **Semantics** (Horovod's hierarchical Adasum with a replica group of ranks in place of a node; see
+    :mod:`adasum_lightning.sharded`): the world is a 2-D mesh ``replicate × shard`` (:attr:`device_mesh`,
+    row-major: ranks ``0 … S−1`` are replica group 0). Inside a group FSDP2 works as usual: every rank reads
+    its own batches, the gradients are reduce-scattered and averaged over the group, and each rank steps its
+    own shard with its own shard of the optimizer state (Lightning's closure, precision plugin and
+    accumulation window as under ``ddp``). Across the groups the parameter deltas of that step are combined by
+    Adasum per parameter as a whole tensor (:func:`adasum_lightning.sharded.sharded_adasum_step`), so every
+    group holds the same parameters after every step and keeps its own optimizer state. No learning-rate
+    scaling by the number of groups (``lr_scaling="auto"`` is factor 1), as for ``ddp_adasum``.
+
+    **Sharding.** When fitting starts every rank takes rank 0's parameters and buffers (the whole module,
+    before sharding), then ``fully_shard(child, mesh=mesh["shard"])`` is applied to each top-level child
+    module that has parameters, then to the LightningModule itself. A module that already holds FSDP2 modules
+    (sharded in ``configure_model`` with ``self.device_mesh["shard"]``) is sharded at the root only. Training,
+    validation, test and predict steps run through the root module's ``forward`` (Lightning's forward
+    redirection), so that FSDP2's root hooks run. Buffers are neither sharded nor combined: each rank keeps
+    its own.
+
+    **Checkpoints.** The model's state is saved whole (gathered over the shard group: a checkpoint of
+    ``ddp_adasum``'s layout, loadable without FSDP2); every rank saves its own shard of its group's optimizer
+    state (rank 0's in the checkpoint, the others beside it, as ``ddp_adasum`` does) and resumes from it on
+    the same mesh. A ``ddp_adasum`` checkpoint (whole optimizer states) resumes here too, each rank taking its
+    chunk.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout, start_method, lr_scaling, uneven_inputs: as for ``ddp_adasum``
+            (:class:`._base.UpdateReducingDDPStrategy`).
+        shard_size: the ranks of one replica group, over which FSDP2 shards the model (default: the processes
+            per node, ``devices``); it must divide the world size.
+
+    Raises:
+        AdasumConfigurationError: when the processes start, a ``shard_size`` that does not divide the world
+            size (:func:`adasum_lightning.validation.check_shard_size`); at a resume, a checkpoint of another
+            mesh.
+    """
+
+    strategy_name = "fsdp_adasum"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        lr_scaling: str | float = "auto",
+        uneven_inputs: str = "truncate",
+        shard_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            lr_scaling=lr_scaling,
+            uneven_inputs=uneven_inputs,
+        )
+        self.shard_size = shard_size
+        self._device_mesh: DeviceMesh | None = None
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 2-D mesh ``("replicate", "shard")``, built when the processes start.
+
+        Raises:
+            RuntimeError: before the processes started.
+        """
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "fsdp_adasum's device mesh is built when the processes start (setup_environment)"
+            )
+        return self._device_mesh
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        """This rank's group of replicas (one rank per replica group, at this rank's shard position)."""
+        return self.device_mesh.get_group("replicate")
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's replica group (FSDP2 shards over them)."""
+        return self.device_mesh.get_group("shard")
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(replica groups, shard_size)``."""
+        groups, shard = self.device_mesh.shape
+        return groups, shard
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def setup_environment(self) -> None:
+        check_launcher_world_size(self, api="Trainer")
+        super().setup_environment()
+        shard = self.shard_size if self.shard_size is not None else self.num_processes
+        with validation.reported_on_every_rank(self.global_rank):
+            validation.check_shard_size(self.world_size, shard, self.strategy_name)
+        shape = (self.world_size // shard, shard)
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, shape, mesh_dim_names=validation.ADASUM_MESH_DIMS
+        )
+        if self.lightning_module is not None:  # configure_model() may shard with self.device_mesh["shard"]
+            self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def configure_ddp(self) -> None:
+        """Rank 0's parameters and buffers on every rank, then FSDP2 on ``mesh["shard"]`` (see the class)."""
+        assert self.model is not None
+        make_parameters_contiguous(self.model)
+        _compat.sync_module_states(self.model)
+        mesh = self.device_mesh["shard"]
+        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            for child in self.model.children():
+                if any(True for _ in child.parameters()):
+                    fully_shard(child, mesh=mesh)
+        if not isinstance(self.model, FSDPModule):
+            fully_shard(self.model, mesh=mesh)
+
+    @override
+    def _describe_reduction(self) -> str:
+        groups, shard = self.mesh_shape
+        return (
+            f"Adasum of parameter deltas across {groups} replica groups over {self.process_group_backend}, "
+            f"FSDP2 over {shard} ranks in each"
+        )
+
+    # ------------------------------------------------------------------------------------------ steps
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's local step in this replica group (FSDP2), then the Adasum of the deltas across the
+        groups (see the class)."""
+        params = optimizer_parameters(_compat.unwrap_lightning_optimizer(optimizer))
+        with validation.reported_on_every_rank(self.global_rank):
+            local_shards(params, self.shard_group, self.strategy_name)
+        local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        timeout = _compat.process_group_timeout(self)
+        output = sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
+        self._deliver_pending_sigterm()
+        return output
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
+
+    def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``lightning_module.<method>(...)``, called from inside the root module's ``forward`` once it is an
+        FSDP2 module (its hooks gather the root's parameters and mark the root for the backward pass)."""
+        module = self.lightning_module
+        assert module is not None
+        if isinstance(self.model, FSDPModule):
+            return self._forward_redirection(self.model, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole module's state (every rank gathers over its shard group: a collective)."""
+        assert self.lightning_module is not None
+        shard_group = self.shard_group if self._device_mesh is not None else None
+        state = self.lightning_module.state_dict()
+        return {k: full_tensor(v, shard_group) if isinstance(v, DTensor) else v for k, v in state.items()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state, its shards as plain tensors (``to_local``)."""
+        state = super().optimizer_state(optimizer)
+        return {
+            **state,
+            "state": {
+                key: {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in values.items()}
+                for key, values in state.get("state", {}).items()
+            },
+        }
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """The checkpoint also records the mesh whose ranks saved their optimizer shards."""
+        if "optimizer_states" in checkpoint and self._device_mesh is not None:
+            checkpoint = {**checkpoint, SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each rank its own saved shard (same mesh only), or its chunk of a whole saved state (a checkpoint
+        of ``ddp_adasum``); the tensors become ``DTensor`` shards like their parameters.
+
+        Raises:
+            AdasumConfigurationError: a checkpoint of optimizer shards saved on another mesh.
+        """
+        saved_mesh = checkpoint.get(SHARDED_OPTIMIZER_MESH)
+        if saved_mesh is not None:
+            with validation.reported_on_every_rank(self.global_rank):
+                validation.check_resume_mesh(saved_mesh, self.mesh_shape, self.strategy_name)
+        super().load_optimizer_state_dict(checkpoint)
+        for optimizer in self.optimizers:
+            local = _compat.unwrap_lightning_optimizer(optimizer)
+            for p in optimizer_parameters(local):
+                if isinstance(p, DTensor) and p in local.state:
+                    values = local.state[p]
+                    for k, v in values.items():
+                        if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
+                            values[k] = self._as_shard(v, p, whole=saved_mesh is None)
+
+    def _as_shard(self, value: torch.Tensor, param: DTensor, whole: bool) -> DTensor:
+        local = param.to_local()
+        if whole:  # this rank's chunk of the whole tensor, as FSDP2 cuts the parameter
+            placement = param.placements[0]
+            dim = placement.dim  # type: ignore[attr-defined]
+            chunk = -(-param.shape[dim] // dist.get_world_size(self.shard_group))
+            start = min(chunk * dist.get_rank(self.shard_group), param.shape[dim])
+            value = value.narrow(dim, start, local.shape[dim])
+        value = value.to(device=local.device, dtype=local.dtype).contiguous()
+        return DTensor.from_local(
+            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+
+    # ------------------------------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        release_workspace()  # the reduction's buffers, kept between steps
+        super().teardown()

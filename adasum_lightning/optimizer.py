@@ -129,13 +129,9 @@ class AdasumOptimizer(Optimizer):
         #: With a mesh: this rank's (replicate group, shard group); None otherwise.
         self.replica_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         if mesh is not None:
-            if process_group is not None:
-                raise validation.AdasumConfigurationError(
-                    "AdasumOptimizer: pass either process_group (every rank a replica) or mesh (replica "
-                    "groups of FSDP2-sharded ranks), not both: the mesh's 'replicate' dimension is the group "
-                    "Adasum combines over."
-                )
-            validation.check_mesh_options("AdasumOptimizer", sync_every, combine, outer_optimizer is not None)
+            validation.check_mesh_options(
+                "AdasumOptimizer", sync_every, combine, outer_optimizer is not None, process_group is not None
+            )
             self.replica_groups = replica_groups(mesh)
             local_shards(optimizer_parameters(optimizer), self.replica_groups[1], "AdasumOptimizer")
         self.optimizer = optimizer

@@ -732,13 +732,22 @@ def check_sharded_parameters(owner: str, shard_size: int, unsharded: Sequence[st
     )
 
 
-def check_mesh_options(owner: str, sync_every: int, combine: str, outer_optimizer: bool) -> None:
-    """With a device mesh (Adasum across replica groups, FSDP2 inside) every step is combined by Adasum: no
+def check_mesh_options(
+    owner: str, sync_every: int, combine: str, outer_optimizer: bool, process_group: bool = False
+) -> None:
+    """With a device mesh (Adasum across replica groups, FSDP2 inside) the mesh's ``replicate`` dimension is
+    the group Adasum combines over (no ``process_group`` besides), and every step is combined by Adasum: no
     local-SGD window, no mean, no outer optimizer (not supported yet).
 
     Raises:
         AdasumConfigurationError: naming the option to drop.
     """
+    if process_group:
+        raise AdasumConfigurationError(
+            f"{owner}: pass either process_group (every rank a replica) or mesh (replica groups of "
+            "FSDP2-sharded ranks), not both: the mesh's 'replicate' dimension is the group Adasum combines "
+            "over."
+        )
     given = [
         *([f"sync_every={sync_every}"] if sync_every != 1 else []),
         *([f"combine={combine!r}"] if combine != "adasum" else []),

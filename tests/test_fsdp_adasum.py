@@ -169,7 +169,9 @@ def test_refusals_on_every_rank(cases):
             "#0 (16, 8) a plain Parameter; #1 (16,) a plain Parameter; #2 (4, 16) a plain Parameter; and 1 "
             "more."
         ), (r, res["unsharded"])
-        assert res["process_group"].startswith("AdasumOptimizer: pass either process_group"), r
+        assert res["process_group"] == expected_message(
+            check_mesh_options, owner, 1, "adasum", False, True
+        ), r
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,4 +340,12 @@ def test_resume_mesh_rule():
         "fsdp_adasum: the checkpoint holds optimizer states sharded over a 2 × 4 mesh (replica groups × "
         "shard_size), this run has 4 × 2; resuming on another mesh is not supported yet. Resume with 8 "
         "processes and shard_size=4."
+    )
+
+
+def test_mesh_and_process_group_rule():
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_mesh_options("AdasumOptimizer", 1, "adasum", False, process_group=True)
+    assert str(info.value).startswith(
+        "AdasumOptimizer: pass either process_group (every rank a replica) or mesh"
     )

@@ -9,7 +9,7 @@
   (pytorch-lightning 1.x's ``strategy="horovod"``);
 - ``"ddp_adasum"``: :class:`DDPAdasumStrategy` — Adasum of parameter deltas on ``torch.distributed``,
   launched by Lightning itself, ``torchrun``, SLURM or Azure ML; no Horovod needed.
-- ``"fsdp_adasum"`` (Trainer only): :class:`FSDPAdasumStrategy` — Adasum of parameter deltas across replica
+- ``"fsdp_adasum"``: :class:`FSDPAdasumStrategy` — Adasum of parameter deltas across replica
   groups of ranks, each group sharding the model with FSDP2 (:mod:`adasum_lightning.sharded`).
 
 The strategy classes exist once per Lightning package (see :mod:`adasum_lightning._namespaces`):
@@ -22,8 +22,8 @@ With ``torch`` alone (no Lightning installed) the Adasum reduction and the optim
 :class:`AdasumOptimizer` for a plain ``torch.distributed`` training loop, :func:`adasum_allreduce`,
 :func:`adasum_step`. The strategy names need Lightning; asking for a strategy class without it raises an
 ``ImportError`` that names the pip command. Fabric users get ``Fabric(strategy="ddp_adasum")`` (and
-``"horovod_adasum"``, ``"horovod"``) the same way, registered with ``lightning_fabric``'s and
-``lightning.fabric``'s strategy registries.
+``"fsdp_adasum"``, ``"horovod_adasum"``, ``"horovod"``) the same way, registered with
+``lightning_fabric``'s and ``lightning.fabric``'s strategy registries.
 """
 
 from __future__ import annotations

@@ -23,14 +23,17 @@ replica index's first), so the replicas stay bitwise identical.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from adasum_lightning import validation
 from adasum_lightning.allreduce import (
@@ -44,15 +47,22 @@ from adasum_lightning.allreduce import (
     _scaled_add,
     workspace,
 )
-from adasum_lightning.step import world_size
+from adasum_lightning.step import broadcast_from_rank_zero, world_size
 
 __all__ = [
     "replica_groups",
     "adasum_allreduce_sharded",
     "sharded_adasum_step",
     "broadcast_from_replica_zero",
+    "broadcast_module_from_rank_zero",
     "local_shards",
     "full_tensor",
+    "local_chunk",
+    "shard_module",
+    "full_state_dict",
+    "load_full_state_dict",
+    "optimizer_state_to_local",
+    "optimizer_state_to_shards",
 ]
 
 T = TypeVar("T")
@@ -141,6 +151,135 @@ def full_tensor(t: torch.Tensor, shard_group: dist.ProcessGroup) -> torch.Tensor
     return torch.cat(parts, dim=dim).narrow(dim, 0, n).clone()
 
 
+def local_chunk(whole: torch.Tensor, param: torch.Tensor, shard_group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's chunk of ``whole`` (a tensor of ``param``'s global shape) as FSDP2 cuts ``param``: its
+    ``Shard(d)`` chunk of ``ceil(n / S)`` along dim ``d`` (the last ones shorter or empty), a view; ``whole``
+    itself when ``param`` is not a ``DTensor``.
+
+    Raises:
+        ValueError: ``whole`` does not have ``param``'s global shape (a checkpoint of another model).
+    """
+    if tuple(whole.shape) != tuple(param.shape):
+        raise ValueError(
+            f"a saved tensor of shape {tuple(whole.shape)} cannot fill a parameter of shape "
+            f"{tuple(param.shape)}: load a checkpoint of this model"
+        )
+    if not isinstance(param, DTensor):
+        return whole
+    placement = param.placements[0]
+    assert isinstance(placement, Shard), placement
+    dim, n = placement.dim, param.shape[placement.dim]
+    size = world_size(shard_group)
+    chunk = -(-n // size)
+    start = min(chunk * (dist.get_rank(shard_group) if size > 1 else 0), n)
+    return whole.narrow(dim, start, param.to_local().shape[dim])
+
+
+def shard_module(
+    module: Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> list[str]:
+    """``fully_shard(child, mesh=mesh)`` on each top-level child of ``module`` that has parameters, then on
+    ``module`` itself: one all-gather per child in forward (FSDP2's usual unit), the root's hooks around the
+    whole step. A module that already holds FSDP2 modules (sharded by the user) is sharded at the root only;
+    one that is itself an FSDP2 module is left alone.
+
+    Args:
+        module: the whole module, the same values on every rank of ``mesh`` (each keeps its own chunk).
+        mesh: the 1-D mesh to shard over (``mesh_2d["shard"]``).
+        mp_policy: FSDP2's mixed precision (e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)``: the sharded parameters, their steps and the Adasum stay float32).
+
+    Returns:
+        The names of the modules sharded here, in order (``""`` is ``module``).
+    """
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    sharded = []
+    if not any(isinstance(m, FSDPModule) for m in module.modules()):
+        for name, child in module.named_children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, **kwargs)
+                sharded.append(name)
+    if not isinstance(module, FSDPModule):
+        fully_shard(module, **kwargs)
+        sharded.append("")
+    return sharded
+
+
+def full_state_dict(module: Module, shard_group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """``module.state_dict()`` with each sharded tensor gathered whole over ``shard_group``
+    (:func:`full_tensor`): the layout of the unsharded module. A collective on ``shard_group``."""
+    state = module.state_dict()
+    if shard_group is None:
+        return state
+    return {k: full_tensor(v, shard_group) if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def load_full_state_dict(
+    module: Module, state_dict: Mapping[str, Any], shard_group: dist.ProcessGroup, strict: bool = True
+) -> tuple[list[str], list[str]]:
+    """Fill a sharded module from a state dict of whole tensors (:func:`full_state_dict`'s, or an unsharded
+    module's): each rank copies its own chunk of every sharded tensor (:func:`local_chunk`) into its local
+    shard, and the other tensors (buffers) whole. No communication.
+
+    Returns:
+        ``(missing_keys, unexpected_keys)``.
+
+    Raises:
+        RuntimeError: with ``strict``, keys missing or unexpected (as ``Module.load_state_dict``).
+        ValueError: a saved tensor of another shape.
+    """
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, unexpected "
+            f"keys {unexpected}. Load a checkpoint of this model, or pass strict=False."
+        )
+    with torch.no_grad():
+        for key, target in own.items():
+            if key not in state_dict or not torch.is_tensor(target):
+                continue
+            value = torch.as_tensor(state_dict[key])
+            local = target.to_local() if isinstance(target, DTensor) else target
+            local.copy_(local_chunk(value, target, shard_group))
+    return missing, unexpected
+
+
+def optimizer_state_to_local(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` with its ``DTensor`` values as plain local shards (copies): what this
+    rank saves of its group's optimizer state."""
+    return {
+        **state_dict,
+        "state": {
+            key: {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in values.items()}
+            for key, values in state_dict.get("state", {}).items()
+        },
+    }
+
+
+def optimizer_state_to_shards(optimizer: Optimizer, shard_group: dist.ProcessGroup, whole: bool) -> None:
+    """After ``optimizer.load_state_dict`` of plain tensors: each per-parameter state tensor (of dim ≥ 1) of a
+    ``DTensor`` parameter becomes a ``DTensor`` shard like its parameter, in place — this rank's chunk of it
+    with ``whole`` (a state saved unsharded), else the tensor itself (this rank's saved shard). Scalars
+    (``step``) stay as they are."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor) or p not in optimizer.state:
+                continue
+            values = optimizer.state[p]
+            for k, v in values.items():
+                if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
+                    local = p.to_local()
+                    chunk = local_chunk(v, p, shard_group) if whole else v
+                    chunk = chunk.to(device=local.device, dtype=local.dtype).contiguous()
+                    values[k] = DTensor.from_local(
+                        chunk, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+
+
 def broadcast_from_replica_zero(params: Sequence[torch.Tensor], replicate_group: dist.ProcessGroup) -> None:
     """Give every replica group replica group 0's parameters, in place: each rank's local shards from the rank
     at its shard position in group 0, over ``replicate_group`` (empty shards skipped). No-op for one group.
@@ -159,6 +298,15 @@ def broadcast_from_replica_zero(params: Sequence[torch.Tensor], replicate_group:
                 dist.broadcast(buffer, src=src, group=replicate_group)
                 if buffer is not t:
                     t.copy_(buffer)
+
+
+def broadcast_module_from_rank_zero(module: Module, replicate_group: dist.ProcessGroup) -> None:
+    """Give every rank rank 0's values of a module that may be sharded already, in place: the local shards
+    of its ``DTensor`` parameters and buffers from replica group 0 (:func:`broadcast_from_replica_zero`),
+    its plain tensors whole from global rank 0. A collective on every rank."""
+    tensors = [*module.parameters(), *module.buffers()]
+    broadcast_from_replica_zero([t for t in tensors if isinstance(t, DTensor)], replicate_group)
+    broadcast_from_rank_zero([t for t in tensors if not isinstance(t, DTensor)])
 
 
 def adasum_allreduce_sharded(
@@ -228,9 +376,10 @@ def sharded_adasum_step(
 
     ``params`` are FSDP2's sharded parameters (``DTensor`` with ``Shard`` placements on ``mesh["shard"]``);
     each rank copies its local shards (θ_before, one flat copy per dtype and device), runs ``local_step``,
-    writes the deltas into a second flat buffer, combines them and writes ``θ_before + combined`` into the
-    local shards (``to_local()``, a view of the parameter's storage). Every rank must call this for the same
-    parameters at the same step. One replica group: ``local_step()`` alone.
+    writes the deltas into a second flat buffer, puts θ_before back into the local shards (``to_local()``, a
+    view of the parameter's storage), combines the deltas (the partner's shards received into the first
+    buffer: two shard-sized buffers in all, kept between steps) and adds the result. Every rank must call
+    this for the same parameters at the same step. One replica group: ``local_step()`` alone.
 
     Raises:
         AdasumConfigurationError: a parameter is not sharded over ``shard_group`` (see :func:`local_shards`).
@@ -260,13 +409,14 @@ def sharded_adasum_step(
             for t, n in zip(bucket, counts, strict=True):
                 torch.sub(t.reshape(-1), before[offset : offset + n], out=delta[offset : offset + n])
                 offset += n
-            _reduce_sharded(delta, counts, replicate_group, shard_group, timeout)
+            offset = 0
+            for t, n in zip(bucket, counts, strict=True):  # θ_before back in place: its buffer is free
+                t.copy_(before[offset : offset + n].view(t.shape))
+                offset += n
+            _reduce_sharded(delta, counts, replicate_group, shard_group, timeout, recv=before)
             offset = 0
             for t, n in zip(bucket, counts, strict=True):
-                if t.is_contiguous():
-                    torch.add(before[offset : offset + n], delta[offset : offset + n], out=t.view(-1))
-                else:  # a plain parameter (a shard group of one) may be a non-contiguous view
-                    t.copy_((before[offset : offset + n] + delta[offset : offset + n]).view(t.shape))
+                t.add_(delta[offset : offset + n].view(t.shape))  # θ_before + combined, as adasum_step
                 offset += n
     return output
 
@@ -289,8 +439,10 @@ def _reduce_sharded(
     replicate_group: dist.ProcessGroup,
     shard_group: dist.ProcessGroup,
     timeout: timedelta | None,
+    recv: torch.Tensor | None = None,
 ) -> None:
-    """Adasum over the replica groups of one flat buffer of local shards (``counts`` elements each)."""
+    """Adasum over the replica groups of one flat buffer of local shards (``counts`` elements each); ``recv``:
+    a buffer of ``flat``'s size for the partner's shards (default: a kept workspace)."""
     size = dist.get_world_size(replicate_group)
     comm = _Comm(replicate_group, dist.get_rank(replicate_group), size, timeout)
     q, size = comm.rank, comm.size
@@ -299,7 +451,8 @@ def _reduce_sharded(
         comm.exchange(q - p, flat, None)
         comm.exchange(q - p, None, flat)
         return
-    recv = workspace(flat.numel(), flat.dtype, flat.device, slot="sharded-recv")
+    if recv is None:
+        recv = workspace(flat.numel(), flat.dtype, flat.device, slot="sharded-recv")
     plan = _plan(counts, CPU_CHUNK if flat.device.type == "cpu" else DEVICE_CHUNK)
     if q + p < size:
         comm.exchange(q + p, None, recv)

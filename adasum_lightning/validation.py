@@ -53,6 +53,7 @@ __all__ = [
     "check_sharded_parameters",
     "check_mesh_options",
     "check_resume_mesh",
+    "check_optimizer_of_sharded_module",
     "reported_on_every_rank",
     "check_uneven_inputs",
     "scaled_learning_rate_message",
@@ -777,3 +778,30 @@ def check_resume_mesh(
             f"(replica groups × shard_size), this run has {current[0]} × {current[1]}; resuming on another "
             f"mesh is not supported yet. Resume with {groups * shard} processes and shard_size={shard}."
         )
+
+
+def check_optimizer_of_sharded_module(
+    strategy_name: str, stale: int, total: int, has_state: bool = False
+) -> None:
+    """An optimizer set up under an FSDP2 strategy steps the sharded module's parameters: ``fully_shard``
+    replaces each parameter by a new (sharded) one, so an optimizer built before the module was set up holds
+    ``stale`` of its ``total`` parameters that no longer train. ``fabric.setup(model, optimizer)`` rebinds an
+    optimizer that has no state yet; ``has_state``: one that has stepped already (it cannot be rebound).
+
+    Raises:
+        AdasumConfigurationError: naming the order of calls that works.
+    """
+    if not stale and not has_state:
+        return
+    what = (
+        "has optimizer state already (it stepped before the model was sharded)"
+        if has_state
+        else f"holds {stale} of its {total} parameter(s) from before the model was sharded (fully_shard "
+        "replaces every parameter)"
+    )
+    raise AdasumConfigurationError(
+        f"{strategy_name}: the optimizer {what}. Set the model up first, then build the optimizer from its "
+        "parameters: model = fabric.setup_module(model); optimizer = fabric.setup_optimizers("
+        "torch.optim.SGD(model.parameters(), ...)) — or pass a fresh optimizer with the model: "
+        "model, optimizer = fabric.setup(model, optimizer)."
+    )

@@ -19,6 +19,7 @@ from adasum_lightning.validation import (
     AdasumConfigurationError,
     check_adasum_mesh,
     check_mesh_options,
+    check_optimizer_of_sharded_module,
     check_resume_mesh,
     check_shard_size,
     check_sharded_parameters,
@@ -52,24 +53,59 @@ SAME_DATA = case(
 ATOL = 1e-6
 
 
-def reference(ranks: list[dict], shard_size: int, combine=adasum_reduce) -> dict:
-    """The unsharded algorithm from the common start on every rank's recorded batches: full parameters."""
+def reference(
+    ranks: list[dict],
+    shard_size: int,
+    combine=adasum_reduce,
+    accumulate: int = 1,
+    clip: float | None = None,
+    clip_by: str = "whole",
+    frozen: tuple[str, ...] = (),
+) -> dict:
+    """The unsharded algorithm from the common start on every rank's recorded batches: full parameters.
+
+    ``accumulate``: micro-batches per step (the loss ÷ accumulate); ``clip``: each group's averaged gradients
+    clipped to that norm before its step — by the whole model's norm (``clip_by="whole"``, torch's
+    ``clip_grad_norm_``), or, as a control, each shard position's chunks by their own norm (``"shard"``);
+    ``frozen``: parameter names with ``requires_grad=False``. The norms before clipping are kept in
+    ``reference.norms`` (per step, per group).
+    """
     groups = len(ranks) // shard_size
     data = IndexedData(64)
     theta = {k: v.clone() for k, v in ranks[0]["start"].items()}
     nets = [tiny_net() for _ in range(groups)]
+    for net in nets:
+        for k, q in net.named_parameters():
+            q.requires_grad_(k not in frozen)
     optimizers = [torch.optim.SGD(n.parameters(), lr=0.1, momentum=0.9) for n in nets]
-    for step in range(len(ranks[0]["batches"])):
-        deltas = []
+    reference.norms = []
+    for step in range(len(ranks[0]["batches"]) // accumulate):
+        deltas, norms = [], []
         for g, (net, optimizer) in enumerate(zip(nets, optimizers, strict=True)):
             net.load_state_dict(theta)  # in place: the optimizer keeps this group's momentum
             optimizer.zero_grad()
             members = range(g * shard_size, (g + 1) * shard_size)
-            batches = [ranks[r]["batches"][step] for r in members]
-            loss = sum(F.cross_entropy(net(data.x[b]), data.y[b]) for b in batches) / shard_size
+            micro = range(step * accumulate, (step + 1) * accumulate)
+            batches = [ranks[r]["batches"][m] for r in members for m in micro]
+            loss = sum(F.cross_entropy(net(data.x[b]), data.y[b]) for b in batches) / len(batches)
             loss.backward()
+            grads = [q.grad for q in net.parameters() if q.grad is not None]
+            norms.append(
+                float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in grads])))
+            )
+            if clip is not None and clip_by == "whole":
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            elif clip is not None:
+                for j in range(shard_size):
+                    chunks = [c[j] for t in grads if j < len(c := torch.chunk(t, shard_size))]
+                    total = torch.linalg.vector_norm(
+                        torch.stack([torch.linalg.vector_norm(c) for c in chunks])
+                    )
+                    for c in chunks:
+                        c.mul_(torch.clamp(clip / (total + 1e-6), max=1.0))
             optimizer.step()
             deltas.append({k: v.detach() - theta[k] for k, v in net.state_dict().items()})
+        reference.norms.append(norms)
         theta = {k: theta[k] + combine([d[k] for d in deltas]) for k in theta}
     return theta
 
@@ -349,3 +385,191 @@ def test_mesh_and_process_group_rule():
     assert str(info.value).startswith(
         "AdasumOptimizer: pass either process_group (every rank a replica) or mesh"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What FSDP users expect (the Trainer): accumulation, clipping, frozen layers, bf16, activation checkpointing
+
+#: Below every group's gradient norm at every step (the tests check): clipping acts at each step.
+CLIP_NORM = 0.1
+ACCUMULATE = trainer_case("accumulate-2", "--max-steps", "3", "--accumulate", "2")
+CLIP = trainer_case("clip", "--max-steps", "3", "--clip-norm", str(CLIP_NORM))
+FROZEN = trainer_case("frozen", "--max-steps", "3", "--freeze")
+BF16 = trainer_case("bf16", "--max-steps", "3", "--bf16")
+PLAIN_BF16 = case(FOUR, "fsdp-train-2x2-bf16", "fsdp", "train", "--shard-size", "2", "--bf16")
+CHECKPOINTING = trainer_case("checkpointing", "--max-steps", "3", "--checkpointing")
+CONFIGURE_MODEL = trainer_case("configure-model", "--max-steps", "3", "--configure-model")
+
+
+@pytest.mark.cases(ACCUMULATE)
+def test_the_trainer_accumulates_gradients_and_steps_every_kth_batch(cases):
+    ranks = cases[ACCUMULATE].ranks
+    expected = reference(ranks, 2, accumulate=2)
+    assert max_difference(expected, reference(ranks, 2)) > 1e-3  # (3 steps of 2 batches, not 3 of 1)
+    for r, res in enumerate(ranks):
+        assert res["steps"] == 3 and len(res["batches"]) == 6, r
+        assert res["batches"][:2] == [[4 * r + i for i in range(4)], [16 + 4 * r + i for i in range(4)]], r
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+
+
+@pytest.mark.cases(CLIP)
+def test_the_trainer_clips_by_the_whole_models_norm(cases):
+    ranks = cases[CLIP].ranks
+    expected = reference(ranks, 2, clip=CLIP_NORM)
+    assert min(min(norms) for norms in reference.norms) > 2 * CLIP_NORM  # every step of every group clipped
+    by_shard = reference(ranks, 2, clip=CLIP_NORM, clip_by="shard")
+    unclipped = reference(ranks, 2)
+    for r, res in enumerate(ranks):
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+        assert max_difference(res["end"], by_shard) > 1e-3, r  # not each shard by its own norm
+        assert max_difference(res["end"], unclipped) > 1e-2, r
+
+
+@pytest.mark.cases(FROZEN)
+def test_frozen_parameters_stay_at_the_start(cases):
+    ranks = cases[FROZEN].ranks
+    frozen = ("0.weight", "0.bias")
+    expected = reference(ranks, 2, frozen=frozen)
+    for r, res in enumerate(ranks):
+        for k in frozen:
+            assert torch.equal(res["end"][k], res["start"][k]), (r, k)  # a zero delta, combined: zero
+        assert not torch.equal(res["end"]["2.weight"], res["start"]["2.weight"]), r
+        assert sorted(res["momentum"]) == ["2.bias", "2.weight"], r  # SGD skips parameters without gradients
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+
+
+@pytest.mark.cases(BF16, PLAIN_BF16)
+def test_bf16_mixed_precision_trains_as_the_plain_loop_with_the_same_policy(cases):
+    ranks, plain = cases[BF16].ranks, cases[PLAIN_BF16].ranks
+    full_precision = reference(ranks, 2)
+    for r, res in enumerate(ranks):
+        # forward and backward in bfloat16; the shards, their steps and the Adasum in float32
+        assert res["output_dtypes"] == ["torch.bfloat16"], r
+        assert (
+            res["parameter_dtypes"] == ["torch.float32"] and res["local"]["0.weight"].dtype == torch.float32
+        )
+        assert res["batches"] == plain[r]["batches"], r
+        assert 1e-4 < max_difference(res["end"], full_precision) < 2e-2, (
+            r,
+            max_difference(res["end"], full_precision),
+        )
+    assert_same_shards(ranks, plain, "trainer bf16 vs plain bf16")
+
+
+@pytest.mark.cases(CHECKPOINTING, FIT)
+def test_activation_checkpointing_trains_the_same_bits(cases):
+    ranks = cases[CHECKPOINTING].ranks
+    assert all(res["steps"] == 3 for res in ranks)
+    assert_same_shards(ranks, cases[FIT].ranks, "activation checkpointing vs not")
+
+
+@pytest.mark.cases(CONFIGURE_MODEL, TRAIN[2, 2])
+def test_a_module_sharded_in_configure_model_is_sharded_at_the_root_and_takes_group_zeros_shards(cases):
+    ranks, plain = cases[CONFIGURE_MODEL].ranks, cases[TRAIN[2, 2]].ranks
+    for r, res in enumerate(ranks):
+        assert res["sharded"] == ["", "net.0", "net.2"], r  # the user's layers, then the root
+        assert all(torch.equal(res["start"][k], v) for k, v in plain[r]["start"].items()), r
+    assert_same_shards(ranks, plain, "configure_model vs plain")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fabric: Fabric(strategy=FSDPAdasumStrategy(shard_size=2))
+
+
+def fabric_case(name: str, *args: str):
+    return case(TRAINER, f"fsdp-fabric-{name}", "fsdp_fabric", "--shard-size", "2", *args)
+
+
+FABRIC_FIT = fabric_case("fit-3", "--steps", "3")
+FABRIC_SAVED = fabric_case("save-2", "--steps", "2", "--save")
+FABRIC_RESUMED = fabric_case("resume-3", "--steps", "3", "--resume", "{fsdp-fabric-save-2}/ckpt")
+FABRIC_ACCUMULATE_CLIP = fabric_case(
+    "accumulate-clip", "--joint", "--steps", "3", "--accumulate", "2", "--clip-norm", str(CLIP_NORM)
+)
+FABRIC_STALE = fabric_case("stale-optimizer", "--stale-optimizer", "--steps", "1")
+
+
+@pytest.mark.cases(FABRIC_FIT, TRAIN[2, 2], FIT)
+def test_fabric_trains_as_the_plain_loop_and_the_trainer_bitwise(cases):
+    ranks, plain, trainer = cases[FABRIC_FIT].ranks, cases[TRAIN[2, 2]].ranks, cases[FIT].ranks
+    torch.manual_seed(100)
+    seeded = tiny_net().state_dict()
+    expected = reference(ranks, 2)
+    for r, res in enumerate(ranks):
+        assert (res["world_size"], res["mesh"]) == (4, [[0, 1], [2, 3]]), r
+        assert res["sharded"] == ["", "0", "2"], r  # each layer with parameters, then the root
+        assert all(torch.equal(res["start"][k], v) for k, v in seeded.items()), r  # rank 0's (seed 100)
+        assert res["batches"] == plain[r]["batches"] == trainer[r]["batches"], r
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+    assert_same_shards(ranks, plain, "fabric vs plain")
+    assert_same_shards(ranks, trainer, "fabric vs trainer")
+
+
+@pytest.mark.cases(FABRIC_FIT, FABRIC_SAVED, FABRIC_RESUMED)
+def test_fabric_save_and_load_resume_exactly(cases):
+    straight, saved, resumed = cases[FABRIC_FIT].ranks, cases[FABRIC_SAVED].ranks, cases[FABRIC_RESUMED].ranks
+    path = cases[FABRIC_SAVED].out / "ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    assert sorted(checkpoint) == ["adasum_sharded_optimizer_mesh", "model", "optimizer", "step"]
+    assert (checkpoint["adasum_sharded_optimizer_mesh"], checkpoint["step"]) == ([2, 2], 2)
+    for k, v in checkpoint["model"].items():  # the whole model, as the Trainer's fsdp_adasum saves it
+        assert torch.equal(v, saved[0]["end"][k]), k
+    for r in range(1, 4):  # every other rank's own optimizer shard beside the file
+        own = torch.load(f"{path}.rank{r}-optimizer.pt", weights_only=False)
+        assert own["rank"] == r
+        momentum = [s["momentum_buffer"] for s in own["optimizer_states"]["optimizer"]["state"].values()]
+        assert [tuple(m.shape) for m in momentum] == [(8, 8), (8,), (2, 16), (2,)], r
+    for r, res in enumerate(resumed):
+        assert res["batches"] == straight[r]["batches"][2:], r
+        for k, m in res["resumed_momentum"].items():
+            assert torch.equal(m, saved[r]["momentum"][k]), (r, k)
+        assert all(torch.equal(res["start"][k], v) for k, v in saved[r]["end"].items()), r
+    assert_same_shards(resumed, straight, "fabric resumed vs straight")
+
+
+@pytest.mark.cases(FABRIC_ACCUMULATE_CLIP)
+def test_fabric_accumulates_without_backward_sync_and_clips_by_the_whole_models_norm(cases):
+    ranks = cases[FABRIC_ACCUMULATE_CLIP].ranks
+    expected = reference(ranks, 2, accumulate=2, clip=CLIP_NORM)
+    norms = reference.norms
+    assert min(min(n) for n in norms) > 2 * CLIP_NORM
+    unclipped = reference(ranks, 2, accumulate=2)
+    for r, res in enumerate(ranks):
+        assert len(res["batches"]) == 6, r
+        # fabric.clip_gradients returned the norm of the group's whole averaged gradient
+        assert res["norms"] == pytest.approx([n[r // 2] for n in norms], rel=1e-5), r
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+        assert max_difference(res["end"], unclipped) > 1e-2, r
+
+
+@pytest.mark.cases(FABRIC_STALE)
+def test_fabric_refuses_an_optimizer_built_before_the_model_was_sharded(cases):
+    message = expected_message(check_optimizer_of_sharded_module, "fsdp_adasum", 4, 4)
+    assert "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(" in message
+    assert_refused_on_every_rank(cases[FABRIC_STALE], message)
+
+
+def test_optimizer_of_sharded_module_rule():
+    check_optimizer_of_sharded_module("fsdp_adasum", 0, 4)
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_optimizer_of_sharded_module("fsdp_adasum", 3, 4)
+    assert str(info.value).startswith(
+        "fsdp_adasum: the optimizer holds 3 of its 4 parameter(s) from before the model was sharded "
+        "(fully_shard replaces every parameter). Set the model up first, then build the optimizer from its "
+        "parameters: model = fabric.setup_module(model); "
+    )
+    with pytest.raises(AdasumConfigurationError, match="has optimizer state already"):
+        check_optimizer_of_sharded_module("fsdp_adasum", 0, 4, has_state=True)
+
+
+@pytest.mark.parametrize("package", ["lightning_fabric", "lightning.fabric"])
+def test_fabric_strategy_name(package):
+    import importlib
+
+    fabric = importlib.import_module(package)
+    strategies = importlib.import_module(f"{package}.strategies")
+    copy = "adasum_lightning.fabric" if package == "lightning_fabric" else "adasum_lightning.lightning.fabric"
+    cls = importlib.import_module(copy).FSDPAdasumStrategy
+    assert strategies.STRATEGY_REGISTRY["fsdp_adasum"]["strategy"] is cls
+    strategy = fabric.Fabric(accelerator="cpu", devices=2, strategy="fsdp_adasum").strategy
+    assert type(strategy) is cls and strategy.shard_size is None and strategy.num_processes == 2

@@ -15,25 +15,32 @@ from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
-from adasum_lightning._strategy_parts import check_launcher_world_size, make_parameters_contiguous
+from adasum_lightning._strategy_parts import (
+    SHARDED_OPTIMIZER_MESH,
+    check_launcher_world_size,
+    make_parameters_contiguous,
+)
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.sharded import full_tensor, local_shards, sharded_adasum_step
+from adasum_lightning.sharded import (
+    broadcast_module_from_rank_zero,
+    full_state_dict,
+    local_shards,
+    optimizer_state_to_local,
+    optimizer_state_to_shards,
+    shard_module,
+    sharded_adasum_step,
+)
 from adasum_lightning.step import optimizer_parameters
 
 from . import _compat
 from ._base import UpdateReducingDDPStrategy
 
 __all__ = ["FSDPAdasumStrategy", "SHARDED_OPTIMIZER_MESH"]
-
-#: The checkpoint key recording the mesh ``(replica groups, shard_size)`` whose ranks saved their own shard
-#: of their replica group's optimizer state.
-SHARDED_OPTIMIZER_MESH = "adasum_sharded_optimizer_mesh"
 
 
 class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
@@ -52,7 +59,8 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
     **Sharding.** When fitting starts every rank takes rank 0's parameters and buffers (the whole module,
     before sharding), then ``fully_shard(child, mesh=mesh["shard"])`` is applied to each top-level child
     module that has parameters, then to the LightningModule itself. A module that already holds FSDP2 modules
-    (sharded in ``configure_model`` with ``self.device_mesh["shard"]``) is sharded at the root only. Training,
+    (sharded in ``configure_model`` with ``self.device_mesh["shard"]``, the same values on the ranks of a
+    group) is sharded at the root only, every group taking group 0's shards. Training,
     validation, test and predict steps run through the root module's ``forward`` (Lightning's forward
     redirection), so that FSDP2's root hooks run. Buffers are neither sharded nor combined: each rank keeps
     its own.
@@ -69,6 +77,9 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
             (:class:`._base.UpdateReducingDDPStrategy`).
         shard_size: the ranks of one replica group, over which FSDP2 shards the model (default: the processes
             per node, ``devices``); it must divide the world size.
+        mp_policy: FSDP2's mixed precision for every ``fully_shard`` (e.g. ``MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in bfloat16, the
+            gradients reduced, the shards stepped and the deltas combined in float32).
 
     Raises:
         AdasumConfigurationError: when the processes start, a ``shard_size`` that does not divide the world
@@ -91,6 +102,7 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
         lr_scaling: str | float = "auto",
         uneven_inputs: str = "truncate",
         shard_size: int | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -105,6 +117,7 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
             uneven_inputs=uneven_inputs,
         )
         self.shard_size = shard_size
+        self.mp_policy = mp_policy
         self._device_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------------------------------ properties
@@ -156,15 +169,12 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
     def configure_ddp(self) -> None:
         """Rank 0's parameters and buffers on every rank, then FSDP2 on ``mesh["shard"]`` (see the class)."""
         assert self.model is not None
-        make_parameters_contiguous(self.model)
-        _compat.sync_module_states(self.model)
-        mesh = self.device_mesh["shard"]
-        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
-            for child in self.model.children():
-                if any(True for _ in child.parameters()):
-                    fully_shard(child, mesh=mesh)
-        if not isinstance(self.model, FSDPModule):
-            fully_shard(self.model, mesh=mesh)
+        if any(isinstance(m, FSDPModule) for m in self.model.modules()):  # sharded by configure_model()
+            broadcast_module_from_rank_zero(self.model, self.replicate_group)
+        else:
+            make_parameters_contiguous(self.model)
+            _compat.sync_module_states(self.model)
+        shard_module(self.model, self.device_mesh["shard"], self.mp_policy)
 
     @override
     def _describe_reduction(self) -> str:
@@ -229,20 +239,12 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
         """The whole module's state (every rank gathers over its shard group: a collective)."""
         assert self.lightning_module is not None
         shard_group = self.shard_group if self._device_mesh is not None else None
-        state = self.lightning_module.state_dict()
-        return {k: full_tensor(v, shard_group) if isinstance(v, DTensor) else v for k, v in state.items()}
+        return full_state_dict(self.lightning_module, shard_group)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's optimizer state, its shards as plain tensors (``to_local``)."""
-        state = super().optimizer_state(optimizer)
-        return {
-            **state,
-            "state": {
-                key: {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in values.items()}
-                for key, values in state.get("state", {}).items()
-            },
-        }
+        return optimizer_state_to_local(super().optimizer_state(optimizer))
 
     @override
     def save_checkpoint(
@@ -268,25 +270,7 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
         for optimizer in self.optimizers:
             local = _compat.unwrap_lightning_optimizer(optimizer)
-            for p in optimizer_parameters(local):
-                if isinstance(p, DTensor) and p in local.state:
-                    values = local.state[p]
-                    for k, v in values.items():
-                        if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
-                            values[k] = self._as_shard(v, p, whole=saved_mesh is None)
-
-    def _as_shard(self, value: torch.Tensor, param: DTensor, whole: bool) -> DTensor:
-        local = param.to_local()
-        if whole:  # this rank's chunk of the whole tensor, as FSDP2 cuts the parameter
-            placement = param.placements[0]
-            dim = placement.dim  # type: ignore[attr-defined]
-            chunk = -(-param.shape[dim] // dist.get_world_size(self.shard_group))
-            start = min(chunk * dist.get_rank(self.shard_group), param.shape[dim])
-            value = value.narrow(dim, start, local.shape[dim])
-        value = value.to(device=local.device, dtype=local.dtype).contiguous()
-        return DTensor.from_local(
-            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
+            optimizer_state_to_shards(local, self.shard_group, whole=saved_mesh is None)
 
     # ------------------------------------------------------------------------------------------ teardown
     @override

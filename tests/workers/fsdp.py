@@ -8,7 +8,8 @@ usage: torchrun --nproc-per-node N -m tests.workers.fsdp OUT {train,allreduce,re
   ``AdasumOptimizer(mesh=mesh)``; ``--steps`` steps, rank r's batch at step t the samples
   ``(t·N + r)·4 … +3`` of ``IndexedData(64)`` (another batch on every rank). Saves the full parameters at the
   start and the end, the local shards of the parameters and of the momentum, the batches and the
-  AdasumOptimizer warnings (``--same-data-per-group``: every group reads group 0's batches). With S = 1 the
+  AdasumOptimizer warnings (``--same-data-per-group``: every group reads group 0's batches; ``--bf16``:
+  ``fully_shard(..., mp_policy=MixedPrecisionPolicy(bfloat16, float32))``). With S = 1 the
   same training also runs unsharded with ``AdasumOptimizer`` (no mesh), saved as ``plain_end``.
 - ``allreduce``: ``adasum_allreduce_sharded`` of a float32 (5, 3), a float32 (1, 3) (an empty shard beyond
   the first rank) and a float64 (7,) tensor, whole tensors drawn per replica group (seed 10 + group) and cut
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from adasum_lightning import AdasumOptimizer
 from adasum_lightning.sharded import adasum_allreduce_sharded, replica_groups
@@ -38,6 +39,7 @@ p.add_argument("out")
 p.add_argument("job", choices=("train", "allreduce", "refusals"))
 p.add_argument("--shard-size", type=int, default=2)
 p.add_argument("--steps", type=int, default=3)
+p.add_argument("--bf16", action="store_true", help="FSDP2's MixedPrecisionPolicy(bfloat16, reduce float32)")
 p.add_argument(
     "--same-data-per-group", action="store_true", help="every replica group reads group 0's batches"
 )
@@ -59,10 +61,11 @@ def mesh_2d():
 def sharded_net(mesh):
     torch.manual_seed(100)  # the same initial weights on every rank: each keeps its own chunk of them
     net = tiny_net()
+    kwargs = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if args.bf16 else {}
     for layer in net:
         if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(net, mesh=mesh["shard"])
+            fully_shard(layer, mesh=mesh["shard"], **kwargs)
+    fully_shard(net, mesh=mesh["shard"], **kwargs)
     return net
 
 
@@ -91,7 +94,7 @@ def train(net, optimizer) -> list[list[int]]:
     for step in range(args.steps):
         idx = batch_indices(step)
         batches.append(idx)
-        loss = F.cross_entropy(net(data.x[idx]), data.y[idx])
+        loss = F.cross_entropy(net(data.x[idx]).float(), data.y[idx])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

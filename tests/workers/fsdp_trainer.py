@@ -2,15 +2,25 @@
 every rank saves OUT/rank{r}.pt.
 
 usage: python -m tests.workers.fsdp_trainer OUT --shard-size S --max-steps N [--save] [--resume CKPT]
-       [--strategy ddp_adasum] --devices W
+       [--strategy ddp_adasum] [--accumulate K] [--clip-norm X] [--freeze] [--bf16] [--checkpointing]
+       --devices W
 
-The data of ``tests/workers/fsdp.py``'s plain loop: at global step t rank r trains on the samples
-``(t·W + r)·4 … +3`` of ``IndexedData(64)`` (chosen from the global step, so that a resumed fit continues
-with the next step's batches), SGD (lr 0.1, momentum 0.9), the tiny net from seed 100. Saves the full
-parameters at the start and the end, the local shards of the parameters and of the momentum, the batches,
-the modules FSDP2 sharded, the momentum shards when training starts (after a resume's restore) and, with
-``--save``, writes the checkpoint OUT/ckpt at the end (``--resume``: fit from one). ``--strategy
-ddp_adasum``: the same training with every rank a replica (its checkpoint for a resume with fsdp_adasum).
+The data of ``tests/workers/fsdp.py``'s plain loop: micro-batch m of global step t is batch ``b = t·K + m``
+(K = ``--accumulate``, Lightning's ``accumulate_grad_batches``) and rank r trains on the samples
+``(b·W + r)·4 … +3`` of ``IndexedData(64)`` (chosen from the global step, so that a resumed fit continues
+with the next step's batches), SGD (lr 0.1, momentum 0.9), the tiny net from seed 100. ``--clip-norm``:
+Lightning's ``gradient_clip_val`` (norm); ``--freeze``: the first layer's parameters ``requires_grad=False``
+(still in the optimizer); ``--bf16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)`` (the dtypes of the forward's outputs and of the sharded parameters are saved);
+``--checkpointing``: the net's forward under ``torch.utils.checkpoint`` (recomputed in backward);
+``--configure-model``: ``configure_model`` shards each layer on ``self.device_mesh["shard"]`` and moves the
+shards of the groups other than 0 away (the strategy gives them group 0's).
+
+Saves the full parameters at the start and the end, the local shards of the parameters and of the
+momentum, the batches, the modules FSDP2 sharded, the momentum shards when training starts (after a
+resume's restore) and, with ``--save``, writes the checkpoint OUT/ckpt at the end (``--resume``: fit from
+one). ``--strategy ddp_adasum``: the same training with every rank a replica (its checkpoint for a resume
+with fsdp_adasum).
 """
 
 import argparse
@@ -18,7 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
+import torch.utils.checkpoint
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -33,6 +44,12 @@ p.add_argument("--max-steps", type=int, default=3)
 p.add_argument("--save", action="store_true")
 p.add_argument("--strategy", default="fsdp_adasum", choices=("fsdp_adasum", "ddp_adasum"))
 p.add_argument("--resume", default=None)
+p.add_argument("--accumulate", type=int, default=1)
+p.add_argument("--clip-norm", type=float, default=None)
+p.add_argument("--freeze", action="store_true")
+p.add_argument("--bf16", action="store_true")
+p.add_argument("--checkpointing", action="store_true")
+p.add_argument("--configure-model", action="store_true")
 p.add_argument("--devices", type=int, required=True)
 args = p.parse_args(cases.argv())
 out = Path(args.out)
@@ -45,14 +62,34 @@ class Module(pl.LightningModule):
         super().__init__()
         torch.manual_seed(100)
         self.net = tiny_net()
+        if args.freeze:
+            self.net[0].requires_grad_(False)
         self.data = IndexedData(64)
         self.batches: list[list[int]] = []
+        self.output_dtypes: list[str] = []
 
     def forward(self, x):
-        return self.net(x)
+        if args.checkpointing:
+            y = torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=False)
+        else:
+            y = self.net(x)
+        self.output_dtypes.append(str(y.dtype))
+        return y.float()
+
+    def configure_model(self):
+        if not args.configure_model or isinstance(self.net[0], FSDPModule):
+            return
+        for layer in self.net:  # each layer on the strategy's mesh["shard"]
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=self.device_mesh["shard"])
+        if self.global_rank >= args.shard_size:  # groups other than 0 start elsewhere: they take group 0's
+            with torch.no_grad():
+                for q in self.net.parameters():
+                    q.to_local().add_(1.0)
 
     def training_step(self, batch, batch_idx):
-        first = (self.global_step * self.trainer.world_size + self.global_rank) * BATCH
+        number = self.global_step * args.accumulate + batch_idx % args.accumulate
+        first = (number * self.trainer.world_size + self.global_rank) * BATCH
         idx = [(first + i) % 64 for i in range(BATCH)]
         self.batches.append(idx)
         return F.cross_entropy(self(self.data.x[idx]), self.data.y[idx])
@@ -79,13 +116,14 @@ def momentum(module, optimizer) -> dict:
 
 
 if args.strategy == "fsdp_adasum":
-    strategy = adasum_strategies.FSDPAdasumStrategy(shard_size=args.shard_size)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    strategy = adasum_strategies.FSDPAdasumStrategy(shard_size=args.shard_size, mp_policy=bf16)
 else:
     strategy = adasum_strategies.DDPAdasumStrategy()
 trainer = pl.Trainer(
     accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    use_distributed_sampler=False,
+    use_distributed_sampler=False, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_norm,
 )  # fmt: skip
 module = Module()
 trainer.fit(module, ckpt_path=args.resume)
@@ -105,6 +143,8 @@ torch.save(
         "batches": module.batches,
         "sharded": sorted(n for n, m in module.named_modules() if isinstance(m, FSDPModule)),
         "mesh": strategy.device_mesh.mesh.tolist() if args.strategy == "fsdp_adasum" else None,
+        "output_dtypes": sorted(set(module.output_dtypes)),
+        "parameter_dtypes": sorted({str(q.dtype) for q in module.parameters()}),
     },
     out / f"rank{rank}.pt",
 )

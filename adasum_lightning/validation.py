@@ -54,6 +54,8 @@ __all__ = [
     "check_mesh_options",
     "check_resume_mesh",
     "check_optimizer_of_sharded_module",
+    "STATE_DICT_TYPES",
+    "check_state_dict_type",
     "reported_on_every_rank",
     "check_uneven_inputs",
     "scaled_learning_rate_message",
@@ -775,9 +777,30 @@ def check_resume_mesh(
         groups, shard = saved
         raise AdasumConfigurationError(
             f"{strategy_name}: the checkpoint holds optimizer states sharded over a {groups} × {shard} mesh "
-            f"(replica groups × shard_size), this run has {current[0]} × {current[1]}; resuming on another "
-            f"mesh is not supported yet. Resume with {groups * shard} processes and shard_size={shard}."
+            f"(replica groups × shard_size), this run has {current[0]} × {current[1]}; a full checkpoint "
+            f"resumes on its own mesh only. Resume with {groups * shard} processes and shard_size={shard}, "
+            "or save with state_dict_type='sharded' (any mesh resumes from that)."
         )
+
+
+#: The checkpoint layouts of ``fsdp_adasum``.
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+def check_state_dict_type(value: object, strategy_name: str = "fsdp_adasum") -> str:
+    """``state_dict_type``: ``"full"`` (the whole model gathered into rank 0's file, every rank's optimizer
+    shard beside it) or ``"sharded"`` (a folder written by ``torch.distributed.checkpoint``).
+
+    Raises:
+        AdasumConfigurationError: any other value.
+    """
+    if value not in STATE_DICT_TYPES:
+        raise AdasumConfigurationError(
+            f"{strategy_name}: state_dict_type={value!r} is not a checkpoint layout: pass "
+            "state_dict_type='full' (one file, the whole model; resumes on the same mesh) or 'sharded' (a "
+            "folder of shards through torch.distributed.checkpoint; resumes on any mesh)."
+        )
+    return value
 
 
 def check_optimizer_of_sharded_module(

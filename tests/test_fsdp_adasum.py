@@ -23,6 +23,7 @@ from adasum_lightning.validation import (
     check_resume_mesh,
     check_shard_size,
     check_sharded_parameters,
+    check_state_dict_type,
     identical_gradients_message,
 )
 from tests.cases import Launch, assert_refused_on_every_rank, case
@@ -61,13 +62,15 @@ def reference(
     clip: float | None = None,
     clip_by: str = "whole",
     frozen: tuple[str, ...] = (),
+    momenta: list[dict] | None = None,
 ) -> dict:
     """The unsharded algorithm from the common start on every rank's recorded batches: full parameters.
 
     ``accumulate``: micro-batches per step (the loss ÷ accumulate); ``clip``: each group's averaged gradients
     clipped to that norm before its step — by the whole model's norm (``clip_by="whole"``, torch's
     ``clip_grad_norm_``), or, as a control, each shard position's chunks by their own norm (``"shard"``);
-    ``frozen``: parameter names with ``requires_grad=False``. The norms before clipping are kept in
+    ``frozen``: parameter names with ``requires_grad=False``; ``momenta``: each group's momentum buffers at
+    the start (full tensors by name; a resumed run). The norms before clipping are kept in
     ``reference.norms`` (per step, per group).
     """
     groups = len(ranks) // shard_size
@@ -78,6 +81,9 @@ def reference(
         for k, q in net.named_parameters():
             q.requires_grad_(k not in frozen)
     optimizers = [torch.optim.SGD(n.parameters(), lr=0.1, momentum=0.9) for n in nets]
+    for net, optimizer, start in zip(nets, optimizers, momenta or [], strict=False):
+        for k, q in net.named_parameters():
+            optimizer.state[q]["momentum_buffer"] = start[k].clone()
     reference.norms = []
     for step in range(len(ranks[0]["batches"]) // accumulate):
         deltas, norms = [], []
@@ -352,7 +358,8 @@ def test_a_resumed_fit_continues_exactly(cases):
 def test_a_resume_on_another_mesh_is_refused_on_every_rank(cases):
     message = expected_message(check_resume_mesh, [2, 2], (4, 1))
     assert message.endswith(
-        "resuming on another mesh is not supported yet. Resume with 4 processes and shard_size=2."
+        "Resume with 4 processes and shard_size=2, or save with state_dict_type='sharded' (any mesh resumes "
+        "from that)."
     )
     assert_refused_on_every_rank(cases[OTHER_MESH], message)
 
@@ -374,8 +381,8 @@ def test_resume_mesh_rule():
         check_resume_mesh((2, 4), (4, 2))
     assert str(info.value) == (
         "fsdp_adasum: the checkpoint holds optimizer states sharded over a 2 × 4 mesh (replica groups × "
-        "shard_size), this run has 4 × 2; resuming on another mesh is not supported yet. Resume with 8 "
-        "processes and shard_size=4."
+        "shard_size), this run has 4 × 2; a full checkpoint resumes on its own mesh only. Resume with 8 "
+        "processes and shard_size=4, or save with state_dict_type='sharded' (any mesh resumes from that)."
     )
 
 
@@ -384,6 +391,71 @@ def test_mesh_and_process_group_rule():
         check_mesh_options("AdasumOptimizer", 1, "adasum", False, process_group=True)
     assert str(info.value).startswith(
         "AdasumOptimizer: pass either process_group (every rank a replica) or mesh"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharded checkpoints (state_dict_type="sharded": torch.distributed.checkpoint), resumed on any mesh
+
+SHARDED = ("--state-dict-type", "sharded")
+SHARDED_SAVED = trainer_case("sharded-save-2", "--max-steps", "2", "--save", *SHARDED)
+SHARDED_RESUMED = trainer_case(
+    "sharded-resume-3", "--max-steps", "3", "--resume", "{fsdp-trainer-sharded-save-2}/ckpt", *SHARDED
+)
+SHARDED_ON = {
+    (groups, shard): case(TRAINER, f"fsdp-trainer-sharded-resume-{groups}x{shard}", "fsdp_trainer",
+                          "--shard-size", str(shard), "--max-steps", "3",
+                          "--resume", "{fsdp-trainer-sharded-save-2}/ckpt")
+    for groups, shard in ((4, 1), (1, 4))
+}  # fmt: skip
+
+
+def whole_momentum(saved: list[dict], group: int, shard_size: int) -> dict:
+    """Replica group ``group``'s momentum of a run of ``shard_size`` ranks per group: its ranks' shards."""
+    members = range(group * shard_size, (group + 1) * shard_size)
+    return {k: torch.cat([saved[r]["momentum"][k] for r in members]) for k in saved[0]["momentum"]}
+
+
+@pytest.mark.cases(FIT, SHARDED_SAVED, SHARDED_RESUMED)
+def test_a_sharded_checkpoint_resumes_exactly_on_the_same_mesh(cases):
+    straight, saved, resumed = cases[FIT].ranks, cases[SHARDED_SAVED].ranks, cases[SHARDED_RESUMED].ranks
+    folder = cases[SHARDED_SAVED].out / "ckpt"
+    assert folder.is_dir() and (folder / "meta.pt").is_file() and (folder / ".metadata").is_file()
+    assert not list(folder.parent.glob("ckpt.rank*"))  # no per-rank files beside it
+    meta = torch.load(folder / "meta.pt", weights_only=False)
+    assert meta["adasum_sharded_optimizer_mesh"] == [2, 2] and meta["global_step"] == 2
+    for r, res in enumerate(resumed):
+        assert res["steps"] == 3 and res["batches"] == straight[r]["batches"][2:], r
+        for k, m in res["resumed_momentum"].items():
+            assert torch.equal(m, saved[r]["momentum"][k]), (r, k)
+    assert_same_shards(resumed, straight, "sharded resume vs straight")
+
+
+@pytest.mark.parametrize(
+    ("groups", "shard_size"),
+    [pytest.param(*k, marks=pytest.mark.cases(SHARDED_SAVED, c)) for k, c in SHARDED_ON.items()],
+)
+def test_a_sharded_checkpoint_resumes_on_another_mesh(groups, shard_size, cases):
+    # saved on 2 × 2; replica group q of the new mesh takes old group q mod 2's momentum, resharded
+    saved, ranks = cases[SHARDED_SAVED].ranks, cases[SHARDED_ON[groups, shard_size]].ranks
+    momenta = [whole_momentum(saved, q % 2, 2) for q in range(groups)]
+    expected = reference(ranks, shard_size, momenta=momenta)
+    for r, res in enumerate(ranks):
+        assert res["mesh"] == [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(groups)], r
+        assert res["steps"] == 3 and len(res["batches"]) == 1, r
+        assert all(torch.equal(res["start"][k], v) for k, v in saved[0]["end"].items()), r  # resharded
+        for k, m in res["resumed_momentum"].items():
+            part = torch.chunk(momenta[r // shard_size][k], shard_size)[r % shard_size]
+            assert torch.equal(m, part), (r, k)
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+
+
+def test_state_dict_type_rule():
+    assert check_state_dict_type("full") == "full" and check_state_dict_type("sharded") == "sharded"
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_state_dict_type("local")
+    assert str(info.value).startswith(
+        "fsdp_adasum: state_dict_type='local' is not a checkpoint layout: pass state_dict_type='full'"
     )
 
 
@@ -487,6 +559,12 @@ FABRIC_ACCUMULATE_CLIP = fabric_case(
     "accumulate-clip", "--joint", "--steps", "3", "--accumulate", "2", "--clip-norm", str(CLIP_NORM)
 )
 FABRIC_STALE = fabric_case("stale-optimizer", "--stale-optimizer", "--steps", "1")
+FABRIC_SHARDED_SAVED = fabric_case("sharded-save-2", "--steps", "2", "--save", *SHARDED)
+FABRIC_SHARDED_RESUMED = fabric_case(
+    "sharded-resume-3", "--steps", "3", "--resume", "{fsdp-fabric-sharded-save-2}/ckpt", *SHARDED
+)
+FABRIC_SHARDED_1X4 = case(TRAINER, "fsdp-fabric-sharded-resume-1x4", "fsdp_fabric", "--shard-size", "4",
+                          "--steps", "3", "--resume", "{fsdp-fabric-sharded-save-2}/ckpt")  # fmt: skip
 
 
 @pytest.mark.cases(FABRIC_FIT, TRAIN[2, 2], FIT)
@@ -525,6 +603,25 @@ def test_fabric_save_and_load_resume_exactly(cases):
             assert torch.equal(m, saved[r]["momentum"][k]), (r, k)
         assert all(torch.equal(res["start"][k], v) for k, v in saved[r]["end"].items()), r
     assert_same_shards(resumed, straight, "fabric resumed vs straight")
+
+
+@pytest.mark.cases(FABRIC_FIT, FABRIC_SHARDED_SAVED, FABRIC_SHARDED_RESUMED, FABRIC_SHARDED_1X4)
+def test_fabric_sharded_checkpoints_resume_exactly_and_on_another_mesh(cases):
+    straight, saved = cases[FABRIC_FIT].ranks, cases[FABRIC_SHARDED_SAVED].ranks
+    resumed, other = cases[FABRIC_SHARDED_RESUMED].ranks, cases[FABRIC_SHARDED_1X4].ranks
+    folder = cases[FABRIC_SHARDED_SAVED].out / "ckpt"
+    meta = torch.load(folder / "meta.pt", weights_only=False)
+    assert (meta["step"], meta["adasum_sharded_optimizer_mesh"]) == (2, [2, 2])
+    assert_same_shards(resumed, straight, "fabric sharded resume vs straight")
+    # 1 × 4: one replica group of 4 ranks takes group 0's momentum, resharded; then FSDP2 alone
+    momentum = whole_momentum(saved, 0, 2)
+    expected = reference(other, 4, momenta=[momentum])
+    for r, res in enumerate(other):
+        assert res["mesh"] == [[0, 1, 2, 3]] and len(res["batches"]) == 1, r
+        assert all(torch.equal(res["start"][k], v) for k, v in saved[0]["end"].items()), r
+        for k, m in res["resumed_momentum"].items():
+            assert torch.equal(m, torch.chunk(momentum[k], 4)[r]), (r, k)
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
 
 
 @pytest.mark.cases(FABRIC_ACCUMULATE_CLIP)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -32,14 +33,20 @@ from adasum_lightning._strategy_parts import (
 )
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.sharded import (
+    SHARDED_META,
     broadcast_module_from_rank_zero,
     full_state_dict,
     load_full_state_dict,
+    load_sharded_model_state,
+    load_sharded_optimizer_state,
     local_shards,
     optimizer_state_to_local,
     optimizer_state_to_shards,
+    save_sharded_checkpoint,
     shard_module,
     sharded_adasum_step,
+    sharded_model_state,
+    sharded_optimizer_entries,
 )
 from adasum_lightning.step import optimizer_parameters
 from adasum_lightning.validation import reported_on_every_rank
@@ -47,6 +54,9 @@ from adasum_lightning.validation import reported_on_every_rank
 from . import _compat
 
 __all__ = ["FSDPAdasumStrategy"]
+
+#: The key of a sharded checkpoint's ``meta.pt`` with each optimizer's state layout (by its key in the state).
+_SHARDED_LAYOUTS = "adasum_sharded_optimizer_layouts"
 
 
 class FSDPAdasumStrategy(DDPStrategy):
@@ -82,6 +92,9 @@ class FSDPAdasumStrategy(DDPStrategy):
             divide the world size.
         mp_policy: FSDP2's mixed precision for every ``fully_shard`` (e.g. ``MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``).
+        state_dict_type: ``"full"`` (the file described above) or ``"sharded"`` (``fabric.save`` writes a
+            folder through ``torch.distributed.checkpoint``: every rank its shards, no gathering; it resumes
+            on any mesh, replica group ``q`` taking saved group ``q mod R_old``'s optimizer state).
 
     Raises:
         AdasumConfigurationError: on every rank, before the first step — a ``shard_size`` that does not
@@ -104,6 +117,7 @@ class FSDPAdasumStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         shard_size: int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
+        state_dict_type: str = "full",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -118,6 +132,7 @@ class FSDPAdasumStrategy(DDPStrategy):
         self._backward_sync_control = _ShardedGradientsSyncControl()
         self.shard_size = shard_size
         self.mp_policy = mp_policy
+        self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
         self._device_mesh: DeviceMesh | None = None
         self._sharded_parameters: set[int] = set()  # ids of the parameters of the modules set up
 
@@ -249,7 +264,11 @@ class FSDPAdasumStrategy(DDPStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Every rank: the whole model (a collective) and its own optimizer shard; rank 0 writes the file, the
-        others their ``<path>.rank<r>-optimizer.pt`` (see the class)."""
+        others their ``<path>.rank<r>-optimizer.pt`` (see the class). ``state_dict_type="sharded"``: the
+        folder ``path`` (:meth:`_save_sharded`)."""
+        if self.state_dict_type == "sharded":
+            self._save_sharded(path, state)
+            return
         converted, optimizers = {}, []
         for key, obj in state.items():
             if isinstance(obj, Module):
@@ -273,12 +292,76 @@ class FSDPAdasumStrategy(DDPStrategy):
             own = {"optimizer_states": {k: converted[k] for k in optimizers}, "rank": self.global_rank}
             self.checkpoint_io.save_checkpoint(own, rank_optimizer_path(path, self.global_rank))
 
+    def _save_sharded(self, path: Any, state: dict[str, Any]) -> None:
+        """``torch.distributed.checkpoint`` of each module's shards (``<key>.<name>``) and of every replica
+        group's optimizer state (``<key>.replica<q>.<parameter>.<state>``); the rest (rank 0's), the
+        optimizers' param groups and state layouts and the mesh in ``<path>/meta.pt``."""
+        names = self._parameter_names(state)
+        replica = self.device_mesh.get_local_rank("replicate")
+        tensors: dict[str, Any] = {}
+        meta: dict[str, Any] = {SHARDED_OPTIMIZER_MESH: list(self.mesh_shape), _SHARDED_LAYOUTS: {}}
+        for key, obj in state.items():
+            if isinstance(obj, Module):
+                module_state = sharded_model_state(obj, keep_plain=self.global_rank == 0)
+                tensors.update({f"{key}.{k}": v for k, v in module_state.items()})
+            elif isinstance(obj, Optimizer):
+                entries, layout = sharded_optimizer_entries(obj, names, f"{key}.replica{replica}")
+                tensors.update(entries)
+                meta[_SHARDED_LAYOUTS][key] = layout
+                meta[key] = obj.state_dict()["param_groups"]
+            else:
+                meta[key] = obj.state_dict() if _is_stateful(obj) else obj
+        save_sharded_checkpoint(path, tensors, meta if self.global_rank == 0 else None)
+
+    @staticmethod
+    def _parameter_names(state: Mapping[str, Any]) -> dict[int, str]:
+        """``id(parameter)`` → ``<module key>.<parameter name>`` for the modules in ``state``."""
+        return {
+            id(p): f"{key}.{name}"
+            for key, obj in state.items()
+            if isinstance(obj, Module)
+            for name, p in obj.named_parameters()
+        }
+
+    def _load_sharded(self, path: Any, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """Restore ``state`` from a folder of :meth:`_save_sharded`, saved on any ``R_old × S_old`` mesh: the
+        modules resharded, replica group ``q`` taking group ``q mod R_old``'s optimizer state."""
+        meta = self.checkpoint_io.load_checkpoint(os.path.join(path, SHARDED_META))
+        saved_groups = int(meta.pop(SHARDED_OPTIMIZER_MESH)[0])
+        layouts = meta.pop(_SHARDED_LAYOUTS)
+        source = self.device_mesh.get_local_rank("replicate") % saved_groups
+        names = self._parameter_names(state)
+        missing = [
+            k for k in state if k not in meta and k not in layouts and not isinstance(state[k], Module)
+        ]
+        if strict and missing:
+            raise KeyError(
+                f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
+                "checkpoint. To disable strict loading, set `strict=False`."
+            )
+        for key, obj in list(state.items()):
+            if isinstance(obj, Module):
+                load_sharded_model_state(obj, path, f"{key}.", strict=strict)
+            elif isinstance(obj, Optimizer) and key in layouts:
+                param_groups = meta.pop(key)
+                load_sharded_optimizer_state(
+                    obj, names, path, f"{key}.replica{source}", layouts[key], param_groups
+                )
+            elif key in meta:
+                value = meta.pop(key)
+                if _is_stateful(obj):
+                    obj.load_state_dict(value)
+                else:
+                    state[key] = value
+        return meta
+
     @override
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any
     ) -> dict[str, Any]:
         """Restore ``state`` from a file of :meth:`save_checkpoint` (or of ``ddp_adasum``): the model from
-        the whole tensors, each optimizer from this rank's own shard (the same mesh only).
+        the whole tensors, each optimizer from this rank's own shard (the same mesh only); from a folder of
+        ``state_dict_type="sharded"`` on any mesh (:meth:`_load_sharded`).
 
         Returns:
             The items of the file that ``state`` did not name.
@@ -288,6 +371,8 @@ class FSDPAdasumStrategy(DDPStrategy):
             KeyError: with ``strict``, a key of ``state`` that the file lacks.
             TypeError: ``state`` an optimizer alone (pass ``{"optimizer": optimizer, ...}``).
         """
+        if os.path.isdir(path) and state and not isinstance(state, (Module, Optimizer)):
+            return self._load_sharded(path, state, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, **kwargs)
         if not state:
             return checkpoint

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import os
+import shutil
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -27,20 +29,30 @@ from adasum_lightning._strategy_parts import (
 )
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.sharded import (
+    SHARDED_META,
     broadcast_module_from_rank_zero,
     full_state_dict,
+    load_full_state_dict,
+    load_sharded_model_state,
+    load_sharded_optimizer_state,
     local_shards,
     optimizer_state_to_local,
     optimizer_state_to_shards,
+    save_sharded_checkpoint,
     shard_module,
     sharded_adasum_step,
+    sharded_model_state,
+    sharded_optimizer_entries,
 )
 from adasum_lightning.step import optimizer_parameters
 
 from . import _compat
-from ._base import UpdateReducingDDPStrategy
+from ._base import RANK_OPTIMIZER_STATES, UpdateReducingDDPStrategy
 
-__all__ = ["FSDPAdasumStrategy", "SHARDED_OPTIMIZER_MESH"]
+__all__ = ["FSDPAdasumStrategy", "SHARDED_OPTIMIZER_MESH", "SHARDED_LAYOUTS"]
+
+#: The key of a sharded checkpoint's ``meta.pt`` that holds each optimizer's state layout.
+SHARDED_LAYOUTS = "adasum_sharded_optimizer_layouts"
 
 
 class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
@@ -103,6 +115,7 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
         uneven_inputs: str = "truncate",
         shard_size: int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
+        state_dict_type: str = "full",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -118,6 +131,8 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
         )
         self.shard_size = shard_size
         self.mp_policy = mp_policy
+        self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self._sharded_path: Any = None  # the folder of the sharded checkpoint being restored
         self._device_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------------------------------ properties
@@ -234,35 +249,110 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
         return getattr(module, method)(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """The model is restored once sharded: a sharded checkpoint is read into the shards of this mesh."""
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole module's state (every rank gathers over its shard group: a collective)."""
+        """The whole module's state (every rank gathers over its shard group: a collective); with
+        ``state_dict_type="sharded"`` the shards themselves."""
         assert self.lightning_module is not None
+        if self.state_dict_type == "sharded":
+            return sharded_model_state(self.lightning_module, keep_plain=self.is_global_zero)
         shard_group = self.shard_group if self._device_mesh is not None else None
         return full_state_dict(self.lightning_module, shard_group)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's optimizer state, its shards as plain tensors (``to_local``)."""
-        return optimizer_state_to_local(super().optimizer_state(optimizer))
+        """This rank's optimizer state, its shards as plain tensors (``to_local``); with
+        ``state_dict_type="sharded"`` as ``DTensor`` shards."""
+        state = super().optimizer_state(optimizer)
+        return state if self.state_dict_type == "sharded" else optimizer_state_to_local(state)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """The checkpoint also records the mesh whose ranks saved their optimizer shards."""
+        """A full checkpoint also records the mesh whose ranks saved their optimizer shards; a sharded one is
+        the folder ``filepath`` (see :meth:`_save_sharded`)."""
+        if self.state_dict_type == "sharded":
+            self._save_sharded(checkpoint, filepath)
+            return
         if "optimizer_states" in checkpoint and self._device_mesh is not None:
             checkpoint = {**checkpoint, SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """``torch.distributed.checkpoint`` of the model's shards (``model.<name>``) and of every replica
+        group's optimizer state (``optimizer<i>.replica<q>.<parameter>.<state>``); the rest of rank 0's
+        checkpoint, the optimizers' param groups and state layouts and the mesh in ``meta.pt``."""
+        checkpoint = dict(checkpoint)
+        tensors = {f"model.{k}": v for k, v in checkpoint.pop("state_dict", {}).items()}
+        names = self._parameter_names()
+        layouts, param_groups = [], []
+        replica = self.device_mesh.get_local_rank("replicate")
+        for i, optimizer in enumerate(self.optimizers if "optimizer_states" in checkpoint else []):
+            local = _compat.unwrap_lightning_optimizer(optimizer)
+            entries, layout = sharded_optimizer_entries(local, names, f"optimizer{i}.replica{replica}")
+            tensors.update(entries)
+            layouts.append(layout)
+            param_groups.append(checkpoint["optimizer_states"][i]["param_groups"])
+        meta = None
+        if self.is_global_zero:
+            meta = {**checkpoint, SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
+            if layouts:
+                record = {"world_size": self.world_size, "lr_factor": self.lr_factor}
+                meta |= {
+                    "optimizer_states": param_groups,
+                    SHARDED_LAYOUTS: layouts,
+                    RANK_OPTIMIZER_STATES: record,
+                }
+        save_sharded_checkpoint(filepath, tensors, meta)
+
+    def _parameter_names(self) -> dict[int, str]:
+        assert self.lightning_module is not None
+        return {id(p): name for name, p in self.lightning_module.named_parameters()}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A full checkpoint as ``ddp_adasum``'s; a sharded one (a folder): its ``meta.pt``, the tensors read
+        when the model and the optimizers are restored."""
+        if not os.path.isdir(checkpoint_path):
+            self._sharded_path = None
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._sharded_path = checkpoint_path
+        kwargs = {} if weights_only is None else {"weights_only": weights_only}
+        meta = self.checkpoint_io.load_checkpoint(os.path.join(checkpoint_path, SHARDED_META), **kwargs)
+        return {**meta, "state_dict": {}}  # the model's tensors: load_model_state_dict
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Each rank fills its shards: its chunk of the whole saved tensors (a full checkpoint), or the parts
+        of the saved shards that its shards cover (a sharded one, saved on any mesh)."""
+        assert self.lightning_module is not None
+        if self._sharded_path is not None:
+            load_sharded_model_state(self.lightning_module, self._sharded_path, "model.", strict=strict)
+        else:
+            load_full_state_dict(
+                self.lightning_module, checkpoint["state_dict"], self.shard_group, strict=strict
+            )
+
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Each rank its own saved shard (same mesh only), or its chunk of a whole saved state (a checkpoint
-        of ``ddp_adasum``); the tensors become ``DTensor`` shards like their parameters.
+        """A full checkpoint: each rank its own saved shard (same mesh only), or its chunk of a whole saved
+        state (a checkpoint of ``ddp_adasum``). A sharded one, saved on a ``R_old × S_old`` mesh: replica
+        group ``q`` takes group ``q mod R_old``'s optimizer state, resharded to this mesh's shard size. The
+        tensors become ``DTensor`` shards like their parameters.
 
         Raises:
-            AdasumConfigurationError: a checkpoint of optimizer shards saved on another mesh.
+            AdasumConfigurationError: a full checkpoint of optimizer shards saved on another mesh.
         """
+        if self._sharded_path is not None:
+            self._load_sharded_optimizers(checkpoint)
+            return
         saved_mesh = checkpoint.get(SHARDED_OPTIMIZER_MESH)
         if saved_mesh is not None:
             with validation.reported_on_every_rank(self.global_rank):
@@ -271,6 +361,24 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
         for optimizer in self.optimizers:
             local = _compat.unwrap_lightning_optimizer(optimizer)
             optimizer_state_to_shards(local, self.shard_group, whole=saved_mesh is None)
+
+    def _load_sharded_optimizers(self, checkpoint: Any) -> None:
+        record = checkpoint.get(RANK_OPTIMIZER_STATES) or {}
+        self._resumed_lr_factor = record.get("lr_factor")
+        source = self.device_mesh.get_local_rank("replicate") % int(checkpoint[SHARDED_OPTIMIZER_MESH][0])
+        names = self._parameter_names()
+        layouts, param_groups = checkpoint[SHARDED_LAYOUTS], checkpoint["optimizer_states"]
+        for i, optimizer in enumerate(self.optimizers):
+            local = _compat.unwrap_lightning_optimizer(optimizer)
+            key = f"optimizer{i}.replica{source}"
+            load_sharded_optimizer_state(local, names, self._sharded_path, key, layouts[i], param_groups[i])
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not os.path.isdir(filepath):
+            super().remove_checkpoint(filepath)
+        elif self.is_global_zero:
+            shutil.rmtree(filepath)
 
     # ------------------------------------------------------------------------------------------ teardown
     @override

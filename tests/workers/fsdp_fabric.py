@@ -12,7 +12,8 @@ with ``--joint`` ``fabric.setup(model, SGD(model.parameters()))`` (the optimizer
 rebound by the strategy). ``--accumulate K``: ``fabric.no_backward_sync`` on the first K − 1 micro-batches,
 the loss ÷ K. ``--clip-norm``: ``fabric.clip_gradients(max_norm=X)`` before each step (the norms it returned
 are saved). ``--save``: ``fabric.save(OUT/ckpt, {"model", "optimizer", "step"})`` at the end; ``--resume``:
-``fabric.load`` into the objects set up, then the steps left. ``--stale-optimizer``: an optimizer built
+``fabric.load`` into the objects set up, then the steps left (``--state-dict-type sharded``: a folder of
+``torch.distributed.checkpoint`` shards). ``--stale-optimizer``: an optimizer built
 before ``setup_module``, set up after it (refused).
 
 Saves what ``fsdp_trainer.py`` saves: the full parameters at the start (after a resume's load) and the end,
@@ -42,6 +43,7 @@ p.add_argument("--joint", action="store_true")
 p.add_argument("--save", action="store_true")
 p.add_argument("--resume", default=None)
 p.add_argument("--stale-optimizer", action="store_true")
+p.add_argument("--state-dict-type", default="full", choices=("full", "sharded"))
 p.add_argument("--devices", type=int, required=True)
 args = p.parse_args(cases.argv())
 out = Path(args.out)
@@ -53,7 +55,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
 
-strategy = FSDPAdasumStrategy(shard_size=args.shard_size)
+strategy = FSDPAdasumStrategy(shard_size=args.shard_size, state_dict_type=args.state_dict_type)
 fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
 fabric.launch()
 rank, world = fabric.global_rank, fabric.world_size

@@ -14,7 +14,8 @@ Lightning's ``gradient_clip_val`` (norm); ``--freeze``: the first layer's parame
 reduce_dtype=float32)`` (the dtypes of the forward's outputs and of the sharded parameters are saved);
 ``--checkpointing``: the net's forward under ``torch.utils.checkpoint`` (recomputed in backward);
 ``--configure-model``: ``configure_model`` shards each layer on ``self.device_mesh["shard"]`` and moves the
-shards of the groups other than 0 away (the strategy gives them group 0's).
+shards of the groups other than 0 away (the strategy gives them group 0's); ``--state-dict-type sharded``:
+the checkpoint is a folder of ``torch.distributed.checkpoint`` shards.
 
 Saves the full parameters at the start and the end, the local shards of the parameters and of the
 momentum, the batches, the modules FSDP2 sharded, the momentum shards when training starts (after a
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from adasum_lightning.sharded import full_state_dict
 from tests.workers import cases
 from tests.workers.lightning import adasum_strategies, pl
 from tests.workers.samples import IndexedData, tiny_net
@@ -50,6 +52,7 @@ p.add_argument("--freeze", action="store_true")
 p.add_argument("--bf16", action="store_true")
 p.add_argument("--checkpointing", action="store_true")
 p.add_argument("--configure-model", action="store_true")
+p.add_argument("--state-dict-type", default="full", choices=("full", "sharded"))
 p.add_argument("--devices", type=int, required=True)
 args = p.parse_args(cases.argv())
 out = Path(args.out)
@@ -101,8 +104,15 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     def on_train_start(self):
-        self.start = self.trainer.strategy.lightning_module_state_dict()
+        self.start = whole_state(self)
         self.resumed_momentum = momentum(self, self.trainer.optimizers[0])
+
+
+def whole_state(module) -> dict:
+    """The whole parameters (gathered over the shard group), whatever the checkpoints' layout."""
+    if args.strategy == "fsdp_adasum":
+        return full_state_dict(module, module.trainer.strategy.shard_group)
+    return module.trainer.strategy.lightning_module_state_dict()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +127,9 @@ def momentum(module, optimizer) -> dict:
 
 if args.strategy == "fsdp_adasum":
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-    strategy = adasum_strategies.FSDPAdasumStrategy(shard_size=args.shard_size, mp_policy=bf16)
+    strategy = adasum_strategies.FSDPAdasumStrategy(
+        shard_size=args.shard_size, mp_policy=bf16, state_dict_type=args.state_dict_type
+    )
 else:
     strategy = adasum_strategies.DDPAdasumStrategy()
 trainer = pl.Trainer(
@@ -136,7 +148,7 @@ torch.save(
         "world_size": trainer.world_size,
         "steps": trainer.global_step,
         "start": {k.removeprefix("net."): v for k, v in module.start.items()},
-        "end": {k.removeprefix("net."): v for k, v in strategy.lightning_module_state_dict().items()},
+        "end": {k.removeprefix("net."): v for k, v in whole_state(module).items()},
         "local": {k.removeprefix("net."): local(q) for k, q in module.named_parameters()},
         "momentum": momentum(module, trainer.optimizers[0]),
         "resumed_momentum": module.resumed_momentum,

@@ -86,8 +86,8 @@ class FSDPAdasumStrategy(DDPStrategy):
     whole optimizer state).
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
-            timeout, start_method: as for Fabric's ``DDPStrategy``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for ``DDPStrategy``.
+        process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
         shard_size: the ranks of one replica group (default: the processes per node, ``devices``); it must
             divide the world size.
         mp_policy: FSDP2's mixed precision for every ``fully_shard`` (e.g. ``MixedPrecisionPolicy(

@@ -77,26 +77,30 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
     redirection), so that FSDP2's root hooks run. Buffers are neither sharded nor combined: each rank keeps
     its own.
 
-    **Checkpoints.** The model's state is saved whole (gathered over the shard group: a checkpoint of
-    ``ddp_adasum``'s layout, loadable without FSDP2); every rank saves its own shard of its group's optimizer
-    state (rank 0's in the checkpoint, the others beside it, as ``ddp_adasum`` does) and resumes from it on
-    the same mesh. A ``ddp_adasum`` checkpoint (whole optimizer states) resumes here too, each rank taking its
-    chunk.
+    **Checkpoints.** ``state_dict_type="full"``: the model's state is saved whole (gathered over the shard
+    group: a checkpoint of ``ddp_adasum``'s layout, loadable without FSDP2); every rank saves its own shard of
+    its group's optimizer state (rank 0's in the checkpoint, the others beside it, as ``ddp_adasum`` does)
+    and resumes from it on the same mesh. A ``ddp_adasum`` checkpoint (whole optimizer states) resumes here
+    too, each rank taking its chunk. ``state_dict_type="sharded"``: a folder written by
+    ``torch.distributed.checkpoint`` (every rank its shards, each replica group's optimizer state under its
+    own key) that resumes on any mesh: the parameters resharded, replica group ``q`` taking saved group
+    ``q mod R_old``'s optimizer state. The model is restored after sharding, from either layout.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method, lr_scaling, uneven_inputs: as for ``ddp_adasum``
-            (:class:`._base.UpdateReducingDDPStrategy`).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            ``ddp_adasum`` (:class:`._base.UpdateReducingDDPStrategy`).
+        process_group_backend, timeout, start_method, lr_scaling, uneven_inputs: as for ``ddp_adasum``.
         shard_size: the ranks of one replica group, over which FSDP2 shards the model (default: the processes
             per node, ``devices``); it must divide the world size.
         mp_policy: FSDP2's mixed precision for every ``fully_shard`` (e.g. ``MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in bfloat16, the
             gradients reduced, the shards stepped and the deltas combined in float32).
+        state_dict_type: ``"full"`` or ``"sharded"`` (above).
 
     Raises:
         AdasumConfigurationError: when the processes start, a ``shard_size`` that does not divide the world
-            size (:func:`adasum_lightning.validation.check_shard_size`); at a resume, a checkpoint of another
-            mesh.
+            size (:func:`adasum_lightning.validation.check_shard_size`); a ``state_dict_type`` other than
+            ``"full"``/``"sharded"``; at a resume, a full checkpoint of another mesh.
     """
 
     strategy_name = "fsdp_adasum"

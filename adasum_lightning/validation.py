@@ -56,6 +56,7 @@ __all__ = [
     "check_optimizer_of_sharded_module",
     "STATE_DICT_TYPES",
     "check_state_dict_type",
+    "check_sharded_save_filter",
     "reported_on_every_rank",
     "check_uneven_inputs",
     "scaled_learning_rate_message",
@@ -828,3 +829,17 @@ def check_optimizer_of_sharded_module(
         "torch.optim.SGD(model.parameters(), ...)) — or pass a fresh optimizer with the model: "
         "model, optimizer = fabric.setup(model, optimizer)."
     )
+
+
+def check_sharded_save_filter(has_filter: bool, strategy_name: str = "fsdp_adasum") -> None:
+    """``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``: a folder of shards is written
+    whole (a filtered one could not be resumed on another mesh).
+
+    Raises:
+        AdasumConfigurationError: naming the two ways that work.
+    """
+    if has_filter:
+        raise AdasumConfigurationError(
+            f"{strategy_name}: fabric.save(..., filter=...) is not supported with state_dict_type='sharded' "
+            "(the folder holds every shard): drop the filter, or save with state_dict_type='full'."
+        )

@@ -23,6 +23,7 @@ from adasum_lightning.validation import (
     check_resume_mesh,
     check_shard_size,
     check_sharded_parameters,
+    check_sharded_save_filter,
     check_state_dict_type,
     identical_gradients_message,
 )
@@ -448,6 +449,16 @@ def test_a_sharded_checkpoint_resumes_on_another_mesh(groups, shard_size, cases)
             part = torch.chunk(momenta[r // shard_size][k], shard_size)[r % shard_size]
             assert torch.equal(m, part), (r, k)
         assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+
+
+def test_sharded_save_filter_rule():
+    check_sharded_save_filter(False)
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_sharded_save_filter(True)
+    assert str(info.value) == (
+        "fsdp_adasum: fabric.save(..., filter=...) is not supported with state_dict_type='sharded' (the "
+        "folder holds every shard): drop the filter, or save with state_dict_type='full'."
+    )
 
 
 def test_state_dict_type_rule():

@@ -100,7 +100,8 @@ class FSDPAdasumStrategy(DDPStrategy):
         AdasumConfigurationError: on every rank, before the first step — a ``shard_size`` that does not
             divide the world size, a launcher ``WORLD_SIZE`` that ``devices × num_nodes`` does not describe, a
             module already wrapped in ``DistributedDataParallel`` or on several devices, an optimizer over
-            parameters of the model before it was sharded, a checkpoint of optimizer shards of another mesh.
+            parameters of the model before it was sharded, a full checkpoint of optimizer shards of another
+            mesh, ``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``.
     """
 
     strategy_name = "fsdp_adasum"
@@ -267,6 +268,8 @@ class FSDPAdasumStrategy(DDPStrategy):
         others their ``<path>.rank<r>-optimizer.pt`` (see the class). ``state_dict_type="sharded"``: the
         folder ``path`` (:meth:`_save_sharded`)."""
         if self.state_dict_type == "sharded":
+            with reported_on_every_rank(self.global_rank):
+                validation.check_sharded_save_filter(bool(filter))
             self._save_sharded(path, state)
             return
         converted, optimizers = {}, []

@@ -9,6 +9,8 @@
   (pytorch-lightning 1.x's ``strategy="horovod"``);
 - ``"ddp_adasum"``: :class:`DDPAdasumStrategy`, Adasum of parameter deltas on ``torch.distributed``, launched
   by Lightning, ``torchrun``, SLURM or Azure ML; no Horovod needed.
+- ``"fsdp_adasum"``: :class:`FSDPAdasumStrategy`, Adasum of parameter deltas across replica groups of ranks,
+  each group sharding the model with FSDP2 (:mod:`adasum_lightning.sharded`).
 
 The classes exist once per Lightning package (:mod:`adasum_lightning._namespaces`):
 ``adasum_lightning.trainer.X`` for ``pytorch_lightning.Trainer``, ``adasum_lightning.lightning.X`` for
@@ -33,7 +35,13 @@ from adasum_lightning.uneven import EvenBatches
 __version__ = "0.2.0"
 
 #: Names resolved to the strategies of the Lightning package in use (see :func:`_namespaces.resolve`).
-_PER_PACKAGE = ("HorovodAdasumStrategy", "HorovodStrategy", "DDPAdasumStrategy", "HorovodEnvironment")
+_PER_PACKAGE = (
+    "HorovodAdasumStrategy",
+    "HorovodStrategy",
+    "DDPAdasumStrategy",
+    "FSDPAdasumStrategy",
+    "HorovodEnvironment",
+)
 
 __all__ = [
     *_PER_PACKAGE,

@@ -9,10 +9,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from adasum_lightning import validation
 from adasum_lightning.local_sgd import PeriodicSync
+from adasum_lightning.sharded import (
+    broadcast_from_replica_zero,
+    local_shards,
+    replica_groups,
+    sharded_adasum_step,
+)
 from adasum_lightning.step import broadcast_from_rank_zero, optimizer_parameters, world_size
 from adasum_lightning.validation import identical_gradients_message
 
@@ -47,6 +55,13 @@ class AdasumOptimizer(Optimizer):
     ``state_dict()`` then also holds the window's position and the outer optimizer's state
     (``"adasum_sync"``).
 
+    Sharded models (``mesh``): Adasum across replica groups, FSDP2 inside each (:mod:`adasum_lightning.
+    sharded`). ``mesh`` is the 2-D ``DeviceMesh`` ``("replicate", "shard")``, the model is sharded with
+    ``fully_shard(..., mesh=mesh["shard"])`` and ``optimizer`` steps its sharded parameters; each step is the
+    group's FSDP2 step, then the Adasum of the groups' deltas per whole parameter
+    (:func:`adasum_lightning.sharded.sharded_adasum_step`). At construction every replica group takes group
+    0's parameters. Every step is combined (no local SGD with a mesh yet).
+
     Args:
         optimizer: the optimizer to wrap (any ``torch.optim.Optimizer``).
         process_group: the ranks that combine their updates (default: the default process group).
@@ -56,13 +71,16 @@ class AdasumOptimizer(Optimizer):
         combine: ``"adasum"`` or ``"mean"``: how the pseudo-gradients are combined.
         outer_optimizer: None (θ_sync + combined Δ) or an optimizer over the same parameters that takes
             −(combined Δ) as the gradient of θ_sync (DiLoCo: Nesterov SGD, lr 0.7, momentum 0.9).
+        mesh: None, or the 2-D device mesh ``("replicate", "shard")`` of a model sharded by FSDP2 over
+            ``mesh["shard"]`` (then no ``process_group``).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is an ``AdasumOptimizer`` already), or
             ``timeout`` is not a ``timedelta``.
         RuntimeError: ``torch.distributed`` is not initialised; the message names the fix.
         AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine``, an outer optimizer over other
-            parameters.
+            parameters; with ``mesh``: a mesh that is not 2-D ``("replicate", "shard")``, parameters not
+            sharded over ``mesh["shard"]``, ``process_group``, or a local-SGD option.
     """
 
     #: ``GradScaler.step`` then hands the scale and the inf/NaN flag to :meth:`step` (``grad_scale``,
@@ -77,6 +95,7 @@ class AdasumOptimizer(Optimizer):
         sync_every: int = 1,
         combine: str = "adasum",
         outer_optimizer: Optimizer | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -106,6 +125,15 @@ class AdasumOptimizer(Optimizer):
                 "before building it (torchrun sets its variables; backend 'gloo' on CPU, 'nccl' on GPU). For "
                 "a single process, use the optimizer itself."
             )
+        self.mesh = mesh
+        #: With a mesh: this rank's (replicate group, shard group); None otherwise.
+        self.replica_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        if mesh is not None:
+            validation.check_mesh_options(
+                "AdasumOptimizer", sync_every, combine, outer_optimizer is not None, process_group is not None
+            )
+            self.replica_groups = replica_groups(mesh)
+            local_shards(optimizer_parameters(optimizer), self.replica_groups[1], "AdasumOptimizer")
         self.optimizer = optimizer
         self.process_group = process_group
         self.timeout = timeout
@@ -113,7 +141,7 @@ class AdasumOptimizer(Optimizer):
         # wrapped optimizer's param_groups list and state (add_param_group below tells the two phases apart).
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._share_wrapped_state()
-        broadcast_from_rank_zero(optimizer_parameters(optimizer), process_group)
+        self._broadcast(optimizer_parameters(optimizer))
         self._gradients_checked = False
         self._sync_options = (sync_every, combine, outer_optimizer)
         self._periodic = self._periodic_sync()
@@ -147,6 +175,8 @@ class AdasumOptimizer(Optimizer):
         if not self._gradients_checked:
             self._gradients_checked = True
             self._warn_if_gradients_identical(params)
+        if self.replica_groups is not None:
+            return sharded_adasum_step(params, local_step, *self.replica_groups, self.timeout)
         return self._periodic.step(local_step)
 
     def sync(self) -> None:
@@ -162,14 +192,22 @@ class AdasumOptimizer(Optimizer):
     def _warn_if_gradients_identical(self, params: list[torch.Tensor]) -> None:
         # One all_gather of two float64 numbers per rank (the sum and the sum of squares of the gradients),
         # once: equal on every rank means bitwise-equal gradients, e.g. averaged by DistributedDataParallel.
+        # With a mesh: the local gradient shards over the replicate group (equal shards in every replica group
+        # mean the groups' gradients were averaged, e.g. by fully_shard on the whole 2-D mesh).
+        group = self.process_group if self.replica_groups is None else self.replica_groups[0]
         grads = [p.grad for p in params if p.grad is not None]
-        if world_size(self.process_group) == 1 or not grads:
+        if world_size(group) == 1 or not grads:
             return  # a closure computes its gradients inside the step
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         sums = [(g.double().sum(), g.double().square().sum()) for g in grads]
-        fingerprint = torch.stack([sum(s for s, _ in sums), sum(q for _, q in sums)])
-        gathered = [torch.empty_like(fingerprint) for _ in range(world_size(self.process_group))]
-        dist.all_gather(gathered, fingerprint, group=self.process_group)
-        if all(torch.equal(f, gathered[0]) for f in gathered) and dist.get_rank(self.process_group) == 0:
+        zero = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        fingerprint = torch.stack([sum((s for s, _ in sums), zero), sum((q for _, q in sums), zero)])
+        gathered = [torch.empty_like(fingerprint) for _ in range(world_size(group))]
+        dist.all_gather(gathered, fingerprint, group=group)
+        first = dist.get_rank(group) == 0 and (
+            self.replica_groups is None or dist.get_rank(self.replica_groups[1]) == 0
+        )
+        if all(torch.equal(f, gathered[0]) for f in gathered) and first:
             warnings.warn(identical_gradients_message("AdasumOptimizer"), stacklevel=3)
 
     def _step_with_scale_handed_on(self, grad_scale: torch.Tensor, found_inf: torch.Tensor | None) -> Any:
@@ -198,8 +236,15 @@ class AdasumOptimizer(Optimizer):
             return
         self._periodic.sync()
         self.optimizer.add_param_group(param_group)
-        broadcast_from_rank_zero(self.optimizer.param_groups[-1]["params"], self.process_group)
+        self._broadcast(self.optimizer.param_groups[-1]["params"])
         self._periodic = self._periodic_sync()
+
+    def _broadcast(self, params: list[torch.Tensor]) -> None:
+        # every rank (with a mesh: every replica group) takes the first one's values
+        if self.replica_groups is None:
+            broadcast_from_rank_zero(params, self.process_group)
+        else:
+            broadcast_from_replica_zero(params, self.replica_groups[0])
 
     def state_dict(self) -> dict[str, Any]:
         state = self.optimizer.state_dict()

@@ -34,6 +34,16 @@ __all__ = [
     "check_horovod_dtypes",
     "check_sync_batchnorm",
     "check_launcher_world_size",
+    "ADASUM_MESH_DIMS",
+    "check_shard_size",
+    "check_adasum_mesh",
+    "check_sharded_parameters",
+    "check_mesh_options",
+    "check_resume_mesh",
+    "check_optimizer_of_sharded_module",
+    "STATE_DICT_TYPES",
+    "check_state_dict_type",
+    "check_sharded_save_filter",
     "check_uneven_inputs",
     "check_skipped_backward_passes",
     "check_overlap_backward",
@@ -578,4 +588,180 @@ def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int]
             f"{owner}: the outer optimizer must step the same parameters as the inner one ({missing} of the "
             f"inner optimizer's parameters missing, {extra} others): build it over the same parameters, e.g. "
             "torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)."
+        )
+
+
+#: The dimension names of the 2-D device mesh of Adasum across replica groups, FSDP2 inside each
+#: (:mod:`adasum_lightning.sharded`): ``replicate`` (the replica groups) first, ``shard`` (a group's ranks).
+ADASUM_MESH_DIMS = ("replicate", "shard")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_shard_size(world_size: int, shard_size: object, owner: str = "fsdp_adasum") -> None:
+    """``shard_size`` (the ranks of one replica group, which FSDP2 shards the model over) is a whole number
+    ≥ 1 that divides ``world_size``: the world is ``world_size // shard_size`` replica groups.
+
+    Raises:
+        AdasumConfigurationError: naming the shard sizes this world size allows.
+    """
+    allowed = ", ".join(str(d) for d in _divisors(max(world_size, 1)))
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise AdasumConfigurationError(
+            f"{owner}: shard_size is the number of ranks of one replica group (FSDP2 shards the model over "
+            f"them), a whole number ≥ 1; got {shard_size!r}. With {world_size} processes pass one of "
+            f"{allowed}."
+        )
+    if world_size % shard_size:
+        raise AdasumConfigurationError(
+            f"{owner}: shard_size={shard_size} does not divide the {world_size} processes into replica "
+            f"groups: pass shard_size as one of {allowed}, or launch a multiple of {shard_size} processes."
+        )
+
+
+def check_adasum_mesh(ndim: int, dim_names: Sequence[str] | None, owner: str = "AdasumOptimizer") -> None:
+    """The device mesh of sharded Adasum is 2-D with the dimensions named ``("replicate", "shard")``
+    (:data:`ADASUM_MESH_DIMS`), replica groups first.
+
+    Raises:
+        AdasumConfigurationError: naming the mesh given and how to build the right one.
+    """
+    names = tuple(dim_names) if dim_names is not None else None
+    if ndim != 2 or names != ADASUM_MESH_DIMS:
+        raise AdasumConfigurationError(
+            f"{owner}: the mesh must be 2-D with dimensions named {ADASUM_MESH_DIMS} (replica groups × the "
+            f"ranks FSDP2 shards over), got a {ndim}-D mesh named {names}. Build it with "
+            "torch.distributed.device_mesh.init_device_mesh(device_type, (world_size // shard_size, "
+            "shard_size), mesh_dim_names=('replicate', 'shard')) and shard the model with "
+            "fully_shard(..., mesh=mesh['shard'])."
+        )
+
+
+def check_sharded_parameters(owner: str, shard_size: int, unsharded: Sequence[str]) -> None:
+    """Every parameter is sharded by FSDP2 over the shard group (a ``DTensor`` with ``Shard`` placements on
+    the 1-D mesh ``mesh["shard"]``); with ``shard_size`` 1 plain tensors are whole tensors and fine.
+    ``unsharded``: a description of each parameter that is not.
+
+    Raises:
+        AdasumConfigurationError: naming up to three such parameters and the fix.
+    """
+    if not unsharded:
+        return
+    shown = "; ".join(unsharded[:3]) + (f"; and {len(unsharded) - 3} more" if len(unsharded) > 3 else "")
+    raise AdasumConfigurationError(
+        f"{owner}: {len(unsharded)} parameter(s) are not sharded over the mesh's 'shard' dimension "
+        f"(size {shard_size}): {shown}. Apply fully_shard(block, mesh=mesh['shard']) to each block and then "
+        "to the root module before building the optimizer (not on the 2-D mesh: that would average the "
+        "gradients across the replica groups, which Adasum combines instead)."
+    )
+
+
+def check_mesh_options(
+    owner: str, sync_every: int, combine: str, outer_optimizer: bool, process_group: bool = False
+) -> None:
+    """With a device mesh (Adasum across replica groups, FSDP2 inside) the mesh's ``replicate`` dimension is
+    the group Adasum combines over (no ``process_group`` besides), and every step is combined by Adasum: no
+    local-SGD window, no mean, no outer optimizer (not supported yet).
+
+    Raises:
+        AdasumConfigurationError: naming the option to drop.
+    """
+    if process_group:
+        raise AdasumConfigurationError(
+            f"{owner}: pass either process_group (every rank a replica) or mesh (replica groups of "
+            "FSDP2-sharded ranks), not both: the mesh's 'replicate' dimension is the group Adasum combines "
+            "over."
+        )
+    given = [
+        *([f"sync_every={sync_every}"] if sync_every != 1 else []),
+        *([f"combine={combine!r}"] if combine != "adasum" else []),
+        *(["an outer_optimizer"] if outer_optimizer else []),
+    ]
+    if given:
+        raise AdasumConfigurationError(
+            f"{owner}: with a mesh (Adasum across replica groups, FSDP2 inside each) every step is combined "
+            f"by Adasum; {' and '.join(given)} is not supported there yet: drop it (sync_every=1, "
+            "combine='adasum', no outer_optimizer), or train without the mesh (unsharded, over all ranks)."
+        )
+
+
+def check_resume_mesh(
+    saved: Sequence[int], current: Sequence[int], strategy_name: str = "fsdp_adasum"
+) -> None:
+    """A checkpoint of sharded optimizer states (every rank's own shard of its replica group's state) resumes
+    on the mesh it was saved on: ``saved`` and ``current`` are ``(replica groups, shard_size)``.
+
+    Raises:
+        AdasumConfigurationError: naming both meshes and the settings that match.
+    """
+    if tuple(saved) != tuple(current):
+        groups, shard = saved
+        raise AdasumConfigurationError(
+            f"{strategy_name}: the checkpoint holds optimizer states sharded over a {groups} × {shard} mesh "
+            f"(replica groups × shard_size), this run has {current[0]} × {current[1]}; a full checkpoint "
+            f"resumes on its own mesh only. Resume with {groups * shard} processes and shard_size={shard}, "
+            "or save with state_dict_type='sharded' (any mesh resumes from that)."
+        )
+
+
+#: The checkpoint layouts of ``fsdp_adasum``.
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+def check_state_dict_type(value: object, strategy_name: str = "fsdp_adasum") -> str:
+    """``state_dict_type``: ``"full"`` (the whole model gathered into rank 0's file, every rank's optimizer
+    shard beside it) or ``"sharded"`` (a folder written by ``torch.distributed.checkpoint``).
+
+    Raises:
+        AdasumConfigurationError: any other value.
+    """
+    if value not in STATE_DICT_TYPES:
+        raise AdasumConfigurationError(
+            f"{strategy_name}: state_dict_type={value!r} is not a checkpoint layout: pass "
+            "state_dict_type='full' (one file, the whole model; resumes on the same mesh) or 'sharded' (a "
+            "folder of shards through torch.distributed.checkpoint; resumes on any mesh)."
+        )
+    return value
+
+
+def check_optimizer_of_sharded_module(
+    strategy_name: str, stale: int, total: int, has_state: bool = False
+) -> None:
+    """An optimizer set up under an FSDP2 strategy steps the sharded module's parameters: ``fully_shard``
+    replaces each parameter by a new (sharded) one, so an optimizer built before the module was set up holds
+    ``stale`` of its ``total`` parameters that no longer train. ``fabric.setup(model, optimizer)`` rebinds an
+    optimizer that has no state yet; ``has_state``: one that has stepped already (it cannot be rebound).
+
+    Raises:
+        AdasumConfigurationError: naming the order of calls that works.
+    """
+    if not stale and not has_state:
+        return
+    what = (
+        "has optimizer state already (it stepped before the model was sharded)"
+        if has_state
+        else f"holds {stale} of its {total} parameter(s) from before the model was sharded (fully_shard "
+        "replaces every parameter)"
+    )
+    raise AdasumConfigurationError(
+        f"{strategy_name}: the optimizer {what}. Set the model up first, then build the optimizer from its "
+        "parameters: model = fabric.setup_module(model); optimizer = fabric.setup_optimizers("
+        "torch.optim.SGD(model.parameters(), ...)) — or pass a fresh optimizer with the model: "
+        "model, optimizer = fabric.setup(model, optimizer)."
+    )
+
+
+def check_sharded_save_filter(has_filter: bool, strategy_name: str = "fsdp_adasum") -> None:
+    """``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``: a folder of shards is written
+    whole (a filtered one could not be resumed on another mesh).
+
+    Raises:
+        AdasumConfigurationError: naming the two ways that work.
+    """
+    if has_filter:
+        raise AdasumConfigurationError(
+            f"{strategy_name}: fabric.save(..., filter=...) is not supported with state_dict_type='sharded' "
+            "(the folder holds every shard): drop the filter, or save with state_dict_type='full'."
         )

@@ -4,7 +4,9 @@ Parts, in order: ``study`` (real processes; ``horovod_adasum``, ``ddp_adasum`` a
 ``simulated`` (validation + N = 8 … 64), ``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s),
 ``overhead`` (Lightning vs raw Horovod loop), ``loops`` (the three forms of ``ddp_adasum`` — plain loop,
 Fabric, Trainer — and DDP, on the example's CNN and a 57 MB MLP), ``local_sgd_throughput`` (the Trainer's
-``ddp_adasum`` every step and with ``sync_every=10`` beside ``ddp`` on that MLP), ``allreduce`` (Adasum vs
+``ddp_adasum`` every step and with ``sync_every=10`` beside ``ddp`` on that MLP), ``fsdp_memory`` (peak
+memory per rank and step time of ``fsdp_adasum`` beside Lightning's HSDP on the same 2 × 2 mesh, that MLP),
+``allreduce`` (Adasum vs
 Average vs Sum; ``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
 (``docs/benchmarks.md`` and its PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum``
 rows, with ``horovod_adasum`` re-run beside them, merged into an existing ``study_real.json``) and
@@ -74,6 +76,10 @@ FULL = {
     "local_sgd_throughput_models": ["mlp"],
     "local_sgd_throughput_repeats": 4,
     "local_sgd_throughput_steps": {"mlp": 60},
+    "fsdp_memory_devices": 4,
+    "fsdp_memory_shard_size": 2,
+    "fsdp_memory_repeats": 3,
+    "fsdp_memory_steps": 30,
 }
 
 #: ``make bench-quick``: the same pipeline, reduced (its time limit: docs/development.md).
@@ -104,6 +110,8 @@ QUICK = {
     "loops_steps": {"cnn": 150, "mlp": 20},
     "local_sgd_throughput_repeats": 1,
     "local_sgd_throughput_steps": {"mlp": 30},
+    "fsdp_memory_repeats": 1,
+    "fsdp_memory_steps": 15,
 }
 
 #: The forms the ``local_sgd_throughput`` part compares: every-step Adasum, local SGD (H = 10) and DDP.
@@ -116,6 +124,7 @@ PARTS = [
     "overhead",
     "loops",
     "local_sgd_throughput",
+    "fsdp_memory",
     "allreduce",
     "memory",
     "report",
@@ -302,6 +311,56 @@ def loops(cfg: dict, out_dir: Path, impls: tuple[str, ...] | None = None, prefix
     return {"runs": runs, "summary": summary}
 
 
+def _spread(values: list[float]) -> dict:
+    return {"values": values, "median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fsdp_memory(cfg: dict, out_dir: Path) -> dict:
+    """Peak memory per rank and step time of the Trainer's ``fsdp_adasum`` beside Lightning's HSDP
+    (``ModelParallelStrategy``, ``fully_shard`` on the 2-D mesh: averaging) on the same mesh and MLP
+    (``benchmarks/fsdp_memory.py``), in interleaved rounds (the order alternating). Per round, the difference
+    of the largest rank's training peaks and the ratio of the step times; the target — ``fsdp_adasum``'s peak
+    at most HSDP's plus one shard of the parameters — is checked on the median difference."""
+    from benchmarks.fsdp_memory import IMPLS
+
+    n, shard = cfg["fsdp_memory_devices"], cfg["fsdp_memory_shard_size"]
+    runs = []
+    for i in tqdm(range(cfg["fsdp_memory_repeats"]), desc="fsdp_memory", unit="round"):
+        for impl in IMPLS if i % 2 == 0 else IMPLS[::-1]:
+            out = out_dir / "runs" / f"fsdp_memory_{impl}.json"
+            args = ["benchmarks.fsdp_memory", str(out), "--impl", impl, "--devices", str(n),
+                    "--shard-size", str(shard), "--steps", str(cfg["fsdp_memory_steps"])]  # fmt: skip
+            load = os.getloadavg()
+            wall = lightning_launch(args, log=logs_for(out_dir) / f"fsdp_memory_{impl}_r{i}.log")
+            record = {"repeat": i, "job_wall_s": wall, "loadavg_before": load,
+                      "command": command_line(n, args, "lightning"),
+                      "oversubscribed": n > (os.cpu_count() or 1)}  # fmt: skip
+            runs.append({**json.loads(out.read_text()), **record})
+    summary: dict = {"np": n, "shard_size": shard, "oversubscribed": runs[0]["oversubscribed"]}
+    for impl in IMPLS:
+        mine = [r for r in runs if r["impl"] == impl]
+        summary[impl] = {
+            "training_peak_rss_mb_max_rank": _spread([max(r["training_peak_rss_mb_per_rank"]) for r in mine]),
+            "process_peak_rss_mb_max_rank": _spread([max(r["process_peak_rss_mb_per_rank"]) for r in mine]),
+            "ms_per_step": _spread([r["ms_per_step"] for r in mine]),
+        }
+    pairs = [
+        (a, b)
+        for a in runs if a["impl"] == "fsdp_adasum"
+        for b in runs if b["impl"] == "hsdp" and b["repeat"] == a["repeat"]
+    ]  # fmt: skip
+    shard_mb = runs[0]["parameter_shard_mb"]
+    difference = _spread(
+        [max(a["training_peak_rss_mb_per_rank"]) - max(b["training_peak_rss_mb_per_rank"]) for a, b in pairs]
+    )
+    summary["training_peak_difference_mb"] = difference
+    summary["step_time_ratio"] = _spread([a["ms_per_step"] / b["ms_per_step"] for a, b in pairs])
+    summary["parameter_shard_mb"] = shard_mb
+    summary["target"] = "fsdp_adasum's training peak <= HSDP's + one shard of the parameters"
+    summary["target_holds"] = difference["median"] <= shard_mb
+    return {"runs": runs, "summary": summary}
+
+
 def allreduce(cfg: dict, out_dir: Path) -> dict:
     """Horovod's Adasum vs Average vs Sum (``jobs``), then ``adasum_allreduce`` over Gloo vs Horovod's
     Adasum vs Gloo's sum (``adasum_allreduce_jobs``, with a time breakdown at N = 2)."""
@@ -438,6 +497,10 @@ def main() -> None:
         result = loops(cfg, out_dir, LOCAL_SGD_IMPLS, prefix="local_sgd_throughput")
         save("local_sgd_throughput", {"config": cfg, **result})
         timings["local_sgd_throughput"] = time.perf_counter() - start
+    if "fsdp_memory" in parts:
+        start = time.perf_counter()
+        save("fsdp_memory", {"config": cfg, **fsdp_memory(cfg, out_dir)})
+        timings["fsdp_memory"] = time.perf_counter() - start
     if "allreduce" in parts:
         start = time.perf_counter()
         save("allreduce", {"config": cfg, **allreduce(cfg, out_dir)})

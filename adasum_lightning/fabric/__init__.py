@@ -12,10 +12,18 @@ from lightning_fabric.strategies import STRATEGY_REGISTRY
 
 from .ddp_adasum import DDPAdasumStrategy
 from .environment import HorovodEnvironment
+from .fsdp_adasum import FSDPAdasumStrategy
 from .horovod import HorovodAdasumStrategy, HorovodStrategy
 
-__all__ = ["DDPAdasumStrategy", "HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"]
+__all__ = [
+    "DDPAdasumStrategy",
+    "FSDPAdasumStrategy",
+    "HorovodAdasumStrategy",
+    "HorovodEnvironment",
+    "HorovodStrategy",
+]
 
-# Registered by name with the strategy registry on import: Fabric(strategy="ddp_adasum").
-for _strategy in (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy):
+# Registered by name with the strategy registry on import: Fabric(strategy="ddp_adasum"),
+# Fabric(strategy="fsdp_adasum").
+for _strategy in (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy, FSDPAdasumStrategy):
     _strategy.register_strategies(STRATEGY_REGISTRY)

@@ -12,10 +12,17 @@ from pytorch_lightning.strategies import StrategyRegistry
 from adasum_lightning.fabric.environment import HorovodEnvironment
 
 from .ddp_adasum import DDPAdasumStrategy
+from .fsdp_adasum import FSDPAdasumStrategy
 from .horovod import HorovodAdasumStrategy, HorovodStrategy
 
-__all__ = ["DDPAdasumStrategy", "HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"]
+__all__ = [
+    "DDPAdasumStrategy",
+    "FSDPAdasumStrategy",
+    "HorovodAdasumStrategy",
+    "HorovodEnvironment",
+    "HorovodStrategy",
+]
 
 # Registered by name with the StrategyRegistry on import: Trainer(strategy="ddp_adasum").
-for _strategy in (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy):
+for _strategy in (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy, FSDPAdasumStrategy):
     _strategy.register_strategies(StrategyRegistry)

@@ -30,7 +30,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import reporting, validation
-from adasum_lightning._strategy_parts import make_parameters_contiguous, register, sampler_seed
+from adasum_lightning._strategy_parts import (
+    make_parameters_contiguous,
+    rank_optimizer_path,
+    register,
+    sampler_seed,
+)
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.uneven import EvenBatches
 
@@ -42,11 +47,6 @@ log = logging.getLogger(__name__)
 
 #: The checkpoint key that records every rank's optimizer state ({"world_size": N, "lr_factor": f}).
 RANK_OPTIMIZER_STATES = "adasum_rank_optimizer_states"
-
-
-def rank_optimizer_path(checkpoint_path: Any, rank: int) -> str:
-    """Where rank ``rank`` (≥ 1) keeps its optimizer state of the checkpoint ``checkpoint_path``."""
-    return f"{checkpoint_path}.rank{rank}-optimizer.pt"
 
 
 #: Exit status of a process stopped by SIGTERM (shells report 128 + signal number).

@@ -53,6 +53,20 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "pytorch-lightning 2.4.0, 2.6.6",
         attributes=("self._lightning_optimizers", "self._optimizers", "self._launcher"),
     ),
+    # fsdp_adasum: the steps through the FSDP2 root module's forward (as DDPStrategy's through its wrapper),
+    # and the mesh a LightningModule's configure_model() reads (as ModelParallelStrategy sets it).
+    PrivateApi(
+        "pytorch_lightning.strategies.strategy",
+        "_ForwardRedirection",
+        "pytorch-lightning 2.6.6",
+        attributes=("self._forward_redirection",),
+    ),
+    PrivateApi(
+        "pytorch_lightning.core.module",
+        "LightningModule",
+        "pytorch-lightning 2.6.6",
+        attributes=("self._device_mesh",),
+    ),
     PrivateApi(
         "pytorch_lightning.strategies.parallel",
         "ParallelStrategy",

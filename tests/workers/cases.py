@@ -10,10 +10,11 @@ the worker builds its own Trainer / Fabric / optimizer and seeds itself. Around 
   exception's type, message and traceback): a refusal is a result, a hang or a crash names its case;
 - arms a watchdog (``faulthandler``) that ends the process with every thread's traceback when the case runs
   past its timeout: a hang fails that case instead of holding the job until the launcher's timeout;
-- resets the warning registries (a case sees its warnings as a new process would) and destroys the process
-  groups the case created. The default group is kept: the launcher's rendezvous is once per launch
-  (Lightning's launcher starts the other processes at the first case's fit, with this runner's argv; a plain
-  loop's :func:`init_process_group` makes it once, with a collective timeout of ``COLLECTIVE_TIMEOUT``).
+- resets the warning registries (a case sees its warnings as a new process would), destroys the process
+  groups the case created and clears DTensor's cached plans (keyed by mesh layout, they would name them).
+  The default group is kept: the launcher's rendezvous is once per launch (Lightning's launcher starts the
+  other processes at the first case's fit, with this runner's argv; a plain loop's
+  :func:`init_process_group` makes it once, with a collective timeout of ``COLLECTIVE_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,18 @@ def _destroy_new_groups(before: set) -> None:
     for group in _process_groups() - before:
         if group is not default:
             dist.destroy_process_group(group)
+    _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding and redistribution plans: they are keyed by mesh layout, so the next
+    case's mesh of the same layout would reuse plans that name the groups just destroyed."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def _write(path: Path, status: dict) -> None:

@@ -1,0 +1,449 @@
+"""``Fabric(strategy="fsdp_adasum")``: Adasum across replica groups, FSDP2 inside each
+(:mod:`adasum_lightning.sharded`), in Fabric."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.accelerators import Accelerator
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning_fabric.strategies import DDPStrategy
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from adasum_lightning import validation
+from adasum_lightning._strategy_parts import (
+    SHARDED_OPTIMIZER_MESH,
+    check_launcher_world_size,
+    prepare_unwrapped_module,
+    rank_optimizer_path,
+    register,
+    sampler_seed,
+)
+from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.reporting import reported_on_every_rank
+from adasum_lightning.sharded import (
+    SHARDED_META,
+    broadcast_module_from_rank_zero,
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded_model_state,
+    load_sharded_optimizer_state,
+    local_shards,
+    optimizer_state_to_local,
+    optimizer_state_to_shards,
+    save_sharded_checkpoint,
+    shard_module,
+    sharded_adasum_step,
+    sharded_model_state,
+    sharded_optimizer_entries,
+)
+from adasum_lightning.step import optimizer_parameters
+
+from . import _compat
+
+__all__ = ["FSDPAdasumStrategy"]
+
+#: The key of a sharded checkpoint's ``meta.pt`` with each optimizer's state layout (by its key in the state).
+_SHARDED_LAYOUTS = "adasum_sharded_optimizer_layouts"
+
+
+class FSDPAdasumStrategy(DDPStrategy):
+    """Adasum across replica groups of ``shard_size`` ranks, each group training a model sharded by FSDP2.
+
+    The semantics of the Trainer's ``fsdp_adasum`` (docs/fsdp_adasum.md): a 2-D mesh ``replicate × shard``
+    (:attr:`device_mesh`, row-major); inside a replica group FSDP2 averages the gradients of its ranks'
+    batches and each rank steps its own shard; across the groups the parameter deltas of that step are
+    combined by Adasum per whole parameter (:func:`adasum_lightning.sharded.sharded_adasum_step`). Every rank
+    reads its own batches (``fabric.setup_dataloaders``: a shard per rank, rank 0's shuffling seed); the
+    learning rate needs no scaling by the number of groups.
+
+    ``fabric.setup_module(model)`` gives every rank rank 0's parameters and buffers, then applies
+    ``fully_shard(child, mesh=mesh["shard"])`` to each top-level child with parameters and to the model
+    (:func:`adasum_lightning.sharded.shard_module`). Build the optimizer from the parameters of the model
+    set up; ``fabric.setup(model, optimizer)`` rebinds an optimizer built before to the sharded parameters.
+    A model that already holds FSDP2 modules (``fully_shard(block, mesh=strategy.device_mesh["shard"])`` after
+    ``fabric.launch()``) is sharded at the root only, each rank taking replica group 0's shards.
+    ``fabric.no_backward_sync`` skips FSDP2's reduce-scatter (the gradients accumulate unsharded until the
+    stepping batch); ``fabric.clip_gradients(max_norm=...)`` clips by the whole model's norm (FSDP2's
+    ``DTensor`` gradients: torch's ``clip_grad_norm_`` reduces it over the shard group).
+
+    ``fabric.save`` writes the whole model (gathered over the shard group) and rank 0's optimizer shard into
+    the file, every other rank's beside it (``<file>.rank<r>-optimizer.pt``) and the mesh under
+    ``"adasum_sharded_optimizer_mesh"``, as the Trainer's ``fsdp_adasum``; ``fabric.load`` restores them on
+    the same mesh (each rank its own shard), or from a ``ddp_adasum`` file (each rank its chunk of the
+    whole optimizer state).
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for ``DDPStrategy``.
+        process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
+        shard_size: the ranks of one replica group (default: the processes per node, ``devices``); it must
+            divide the world size.
+        mp_policy: FSDP2's mixed precision for every ``fully_shard`` (e.g. ``MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``).
+        state_dict_type: ``"full"`` (the file described above) or ``"sharded"`` (``fabric.save`` writes a
+            folder through ``torch.distributed.checkpoint``: every rank its shards, no gathering; it resumes
+            on any mesh, replica group ``q`` taking saved group ``q mod R_old``'s optimizer state).
+
+    Raises:
+        AdasumConfigurationError: on every rank, before the first step — a ``shard_size`` that does not
+            divide the world size, a launcher ``WORLD_SIZE`` that ``devices × num_nodes`` does not describe, a
+            module already wrapped in ``DistributedDataParallel`` or on several devices, an optimizer over
+            parameters of the model before it was sharded, a full checkpoint of optimizer shards of another
+            mesh, ``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``.
+    """
+
+    strategy_name = "fsdp_adasum"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        shard_size: int | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        state_dict_type: str = "full",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _ShardedGradientsSyncControl()
+        self.shard_size = shard_size
+        self.mp_policy = mp_policy
+        self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self._device_mesh: DeviceMesh | None = None
+        self._sharded_parameters: set[int] = set()  # ids of the parameters of the modules set up
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 2-D mesh ``("replicate", "shard")``, built when the processes start.
+
+        Raises:
+            RuntimeError: before ``fabric.launch()``.
+        """
+        if self._device_mesh is None:
+            raise RuntimeError("fsdp_adasum's device mesh is built when the processes start (launch)")
+        return self._device_mesh
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        """This rank's group of replicas (one rank per replica group, at this rank's shard position)."""
+        return self.device_mesh.get_group("replicate")
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's replica group (FSDP2 shards over them)."""
+        return self.device_mesh.get_group("shard")
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(replica groups, shard_size)``."""
+        groups, shard = self.device_mesh.shape
+        return groups, shard
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """A shard per rank (every rank reads its own batches), with rank 0's ``seed_everything`` seed."""
+        return {**super().distributed_sampler_kwargs, "seed": sampler_seed(self)}
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def setup_environment(self) -> None:
+        check_launcher_world_size(self, api="Fabric")
+        super().setup_environment()
+        shard = self.shard_size if self.shard_size is not None else self.num_processes
+        with reported_on_every_rank(self.global_rank):
+            validation.check_shard_size(self.world_size, shard, self.strategy_name)
+        shape = (self.world_size // shard, shard)
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, shape, mesh_dim_names=validation.ADASUM_MESH_DIMS
+        )
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], *scheduler: Any
+    ) -> tuple[Any, ...]:
+        """``fabric.setup(model, optimizer, ...)``: shard the model (:meth:`setup_module`), then point each
+        optimizer at the sharded parameters that replaced the ones it was built with (the same order)."""
+        names = {id(p): name for name, p in module.named_parameters()}
+        module = self.setup_module(module)
+        sharded = dict(module.named_parameters())
+        for optimizer in optimizers:
+            with reported_on_every_rank(self.global_rank):
+                validation.check_optimizer_of_sharded_module(
+                    self.strategy_name, 0, 0, has_state=bool(optimizer.state)
+                )
+            for group in optimizer.param_groups:
+                group["params"] = [sharded.get(names.get(id(p), ""), p) for p in group["params"]]
+        return (module, [self.setup_optimizer(o) for o in optimizers], *scheduler)
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Rank 0's parameters and buffers on every rank, then FSDP2 on ``mesh["shard"]`` (see the class)."""
+        if any(isinstance(m, FSDPModule) for m in module.modules()):  # sharded by the user on mesh["shard"]
+            broadcast_module_from_rank_zero(module, self.replicate_group)
+        else:
+            prepare_unwrapped_module(self, module)
+        shard_module(module, self.device_mesh["shard"], self.mp_policy)
+        self._sharded_parameters.update(id(p) for p in module.parameters())
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check that ``optimizer`` steps the sharded parameters (see the class)."""
+        params = optimizer_parameters(optimizer)
+        stale = sum(1 for p in params if id(p) not in self._sharded_parameters)
+        with reported_on_every_rank(self.global_rank):
+            validation.check_optimizer_of_sharded_module(self.strategy_name, stale, len(params))
+        return optimizer
+
+    @override
+    def teardown(self) -> None:
+        release_workspace()  # the reduction's buffers, kept between steps
+        super().teardown()
+
+    # ------------------------------------------------------------------------------------------ step
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Fabric's local step in this replica group (FSDP2), then the Adasum of the deltas across groups."""
+        params = optimizer_parameters(optimizer)
+        with reported_on_every_rank(self.global_rank):
+            local_shards(params, self.shard_group, self.strategy_name)
+        local_step = functools.partial(super().optimizer_step, optimizer, **kwargs)
+        timeout = _compat.process_group_timeout(self)
+        return sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """The whole module's state (every rank gathers over its shard group: a collective)."""
+        return full_state_dict(module, self.shard_group if self._device_mesh is not None else None)
+
+    @override
+    def load_module_state_dict(
+        self, module: Module, state_dict: dict[str, Any | torch.Tensor], strict: bool = True
+    ) -> None:
+        """Each rank copies its chunk of the whole saved tensors into its shards."""
+        load_full_state_dict(module, state_dict, self.shard_group, strict=strict)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state, its shards as plain tensors."""
+        return optimizer_state_to_local(optimizer.state_dict())
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Every rank: the whole model (a collective) and its own optimizer shard; rank 0 writes the file, the
+        others their ``<path>.rank<r>-optimizer.pt`` (see the class). ``state_dict_type="sharded"``: the
+        folder ``path`` (:meth:`_save_sharded`)."""
+        if self.state_dict_type == "sharded":
+            with reported_on_every_rank(self.global_rank):
+                validation.check_sharded_save_filter(bool(filter))
+            self._save_sharded(path, state)
+            return
+        converted, optimizers = {}, []
+        for key, obj in state.items():
+            if isinstance(obj, Module):
+                value: Any = self.get_module_state_dict(obj)
+            elif isinstance(obj, Optimizer):
+                value = self.get_optimizer_state(obj)
+                optimizers.append(key)
+            elif _is_stateful(obj):
+                value = obj.state_dict()
+            else:
+                value = obj
+            keep = (filter or {}).get(key)
+            if keep is not None and isinstance(value, Mapping):
+                value = {k: v for k, v in value.items() if keep(k, v)}
+            converted[key] = value
+        if optimizers:
+            converted[SHARDED_OPTIMIZER_MESH] = list(self.mesh_shape)
+        if self.global_rank == 0:
+            self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)
+        elif optimizers:
+            own = {"optimizer_states": {k: converted[k] for k in optimizers}, "rank": self.global_rank}
+            self.checkpoint_io.save_checkpoint(own, rank_optimizer_path(path, self.global_rank))
+
+    def _save_sharded(self, path: Any, state: dict[str, Any]) -> None:
+        """``torch.distributed.checkpoint`` of each module's shards (``<key>.<name>``) and of every replica
+        group's optimizer state (``<key>.replica<q>.<parameter>.<state>``); the rest (rank 0's), the
+        optimizers' param groups and state layouts and the mesh in ``<path>/meta.pt``."""
+        names = self._parameter_names(state)
+        replica = self.device_mesh.get_local_rank("replicate")
+        tensors: dict[str, Any] = {}
+        meta: dict[str, Any] = {SHARDED_OPTIMIZER_MESH: list(self.mesh_shape), _SHARDED_LAYOUTS: {}}
+        for key, obj in state.items():
+            if isinstance(obj, Module):
+                module_state = sharded_model_state(obj, keep_plain=self.global_rank == 0)
+                tensors.update({f"{key}.{k}": v for k, v in module_state.items()})
+            elif isinstance(obj, Optimizer):
+                entries, layout = sharded_optimizer_entries(obj, names, f"{key}.replica{replica}")
+                tensors.update(entries)
+                meta[_SHARDED_LAYOUTS][key] = layout
+                meta[key] = obj.state_dict()["param_groups"]
+            else:
+                meta[key] = obj.state_dict() if _is_stateful(obj) else obj
+        save_sharded_checkpoint(path, tensors, meta if self.global_rank == 0 else None)
+
+    @staticmethod
+    def _parameter_names(state: Mapping[str, Any]) -> dict[int, str]:
+        """``id(parameter)`` → ``<module key>.<parameter name>`` for the modules in ``state``."""
+        return {
+            id(p): f"{key}.{name}"
+            for key, obj in state.items()
+            if isinstance(obj, Module)
+            for name, p in obj.named_parameters()
+        }
+
+    def _load_sharded(self, path: Any, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """Restore ``state`` from a folder of :meth:`_save_sharded`, saved on any ``R_old × S_old`` mesh: the
+        modules resharded, replica group ``q`` taking group ``q mod R_old``'s optimizer state."""
+        meta = self.checkpoint_io.load_checkpoint(os.path.join(path, SHARDED_META))
+        saved_groups = int(meta.pop(SHARDED_OPTIMIZER_MESH)[0])
+        layouts = meta.pop(_SHARDED_LAYOUTS)
+        source = self.device_mesh.get_local_rank("replicate") % saved_groups
+        names = self._parameter_names(state)
+        missing = [
+            k for k in state if k not in meta and k not in layouts and not isinstance(state[k], Module)
+        ]
+        if strict and missing:
+            raise KeyError(
+                f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
+                "checkpoint. To disable strict loading, set `strict=False`."
+            )
+        for key, obj in list(state.items()):
+            if isinstance(obj, Module):
+                load_sharded_model_state(obj, path, f"{key}.", strict=strict)
+            elif isinstance(obj, Optimizer) and key in layouts:
+                param_groups = meta.pop(key)
+                load_sharded_optimizer_state(
+                    obj, names, path, f"{key}.replica{source}", layouts[key], param_groups
+                )
+            elif key in meta:
+                value = meta.pop(key)
+                if _is_stateful(obj):
+                    obj.load_state_dict(value)
+                else:
+                    state[key] = value
+        return meta
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Restore ``state`` from a file of :meth:`save_checkpoint` (or of ``ddp_adasum``): the model from
+        the whole tensors, each optimizer from this rank's own shard (the same mesh only); from a folder of
+        ``state_dict_type="sharded"`` on any mesh (:meth:`_load_sharded`).
+
+        Returns:
+            The items of the file that ``state`` did not name.
+
+        Raises:
+            AdasumConfigurationError: a file of optimizer shards saved on another mesh.
+            KeyError: with ``strict``, a key of ``state`` that the file lacks.
+            TypeError: ``state`` an optimizer alone (pass ``{"optimizer": optimizer, ...}``).
+        """
+        if os.path.isdir(path) and state and not isinstance(state, (Module, Optimizer)):
+            return self._load_sharded(path, state, strict)
+        checkpoint = self.checkpoint_io.load_checkpoint(path, **kwargs)
+        if not state:
+            return checkpoint
+        if isinstance(state, Module):
+            self.load_module_state_dict(state, checkpoint, strict=strict)
+            return {}
+        if isinstance(state, Optimizer):
+            raise TypeError(
+                "fsdp_adasum loads an optimizer's shard from a checkpoint of fabric.save(path, {'optimizer': "
+                "optimizer, ...}): pass state={'optimizer': optimizer} (with the model)."
+            )
+        saved_mesh = checkpoint.pop(SHARDED_OPTIMIZER_MESH, None)
+        optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in checkpoint]
+        own: dict[str, Any] = {}
+        if optimizers and saved_mesh is not None:
+            with reported_on_every_rank(self.global_rank):
+                validation.check_resume_mesh(saved_mesh, self.mesh_shape, self.strategy_name)
+            if self.global_rank != 0:
+                rank_file = rank_optimizer_path(path, self.global_rank)
+                own = self.checkpoint_io.load_checkpoint(rank_file, **kwargs)["optimizer_states"]
+        missing = [k for k in state if k not in checkpoint]
+        if strict and missing:
+            raise KeyError(
+                f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
+                "checkpoint. To disable strict loading, set `strict=False`."
+            )
+        for key, obj in list(state.items()):
+            if key not in checkpoint:
+                continue
+            value = checkpoint.pop(key)
+            if isinstance(obj, Module):
+                self.load_module_state_dict(obj, value, strict=strict)
+            elif isinstance(obj, Optimizer):
+                obj.load_state_dict(own.get(key, value))
+                optimizer_state_to_shards(obj, self.shard_group, whole=saved_mesh is None)
+            elif _is_stateful(obj):
+                obj.load_state_dict(value)
+            else:
+                state[key] = value
+        return checkpoint
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register(strategy_registry, cls)
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class _ShardedGradientsSyncControl(_compat.BackwardSyncControl):
+    """``fabric.no_backward_sync`` under FSDP2: no reduce-scatter in the skipped backward passes (each FSDP2
+    module's ``set_requires_gradient_sync(False)``); the gradients accumulate unsharded and the stepping
+    batch's backward reduce-scatters their sum."""
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return _without_gradient_sync(module) if enabled else nullcontext()
+
+
+@contextmanager
+def _without_gradient_sync(module: Module) -> Generator[None, None, None]:
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.set_requires_gradient_sync(True, recurse=False)

@@ -1,0 +1,606 @@
+"""Adasum across replica groups, FSDP2 sharding inside each group (``torch`` only).
+
+The world is a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` ``replicate × shard``: ``R`` replica
+groups of ``S`` ranks (``init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))``,
+row-major: ranks ``0 … S−1`` are replica group 0). Inside a group FSDP2 works as usual (``fully_shard`` on the
+1-D ``mesh["shard"]``): the gradients are reduce-scattered and averaged over the group and each rank steps its
+own shard with its own shard of the optimizer state. Across the groups nothing is all-reduced; instead the
+groups' parameter deltas ``θ_after − θ_before`` of the local step are combined by Adasum (Maleki et al.,
+"Scaling Distributed Training with Adaptive Summation", MLSys 2021), per parameter as a whole tensor: its dot
+products and squared norms are summed (float64) over the shard group. This is Horovod 0.28.1's hierarchical
+Adasum (``horovod/common/ops/adasum_gpu_operations.cc``, ``NcclHierarchical``: reduce-scatter inside a node,
+Adasum across nodes) with a replica group of ranks in place of a node, and FSDP2's sharded step in place of
+the reduce-scatter. Each replica group keeps its own optimizer state; all groups hold the same parameters.
+
+Pairing (that of :func:`adasum_lightning.allreduce.adasum_allreduce` and :func:`adasum_lightning.ops.
+adasum_reduce`, over replica indices): for ``R = 2**k`` recursive doubling, group ``q`` with ``q XOR d`` at
+``d = 1, 2, 4, …`` (neighbours first); otherwise, with ``P`` the largest power of 2 ≤ ``R``, groups
+``q ≥ P`` are first folded into ``q − P``, then groups ``0 … P−1`` are reduced, then the result is sent back
+to groups ``q ≥ P``. Every exchange moves whole local shards (rank ``(q, j)`` with rank ``(q', j)``, on the
+replicate group); both partners compute the combination from the same operands in the same order (the lower
+replica index's first), so the replicas stay bitwise identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from adasum_lightning import validation
+from adasum_lightning.allreduce import (
+    CPU_CHUNK,
+    DEVICE_CHUNK,
+    _check_tensor,
+    _coefficients,
+    _Comm,
+    _local_grams,
+    _plan,
+    _scaled_add,
+    workspace,
+)
+from adasum_lightning.step import broadcast_from_rank_zero, world_size
+
+__all__ = [
+    "replica_groups",
+    "adasum_allreduce_sharded",
+    "sharded_adasum_step",
+    "broadcast_from_replica_zero",
+    "broadcast_module_from_rank_zero",
+    "local_shards",
+    "full_tensor",
+    "local_chunk",
+    "shard_module",
+    "full_state_dict",
+    "load_full_state_dict",
+    "optimizer_state_to_local",
+    "optimizer_state_to_shards",
+    "SHARDED_META",
+    "save_sharded_checkpoint",
+    "sharded_model_state",
+    "load_sharded_model_state",
+    "sharded_optimizer_entries",
+    "load_sharded_optimizer_state",
+]
+
+T = TypeVar("T")
+
+
+def replica_groups(
+    mesh: DeviceMesh, owner: str = "AdasumOptimizer"
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's ``(replicate_group, shard_group)`` of a 2-D mesh of dimensions ``("replicate", "shard")``.
+
+    The replicate group holds the ranks at this rank's shard position in every replica group (one per group,
+    in replica order); the shard group the ranks of this rank's replica group.
+
+    Raises:
+        AdasumConfigurationError: the mesh is not 2-D or its dimensions are not named
+            ``("replicate", "shard")`` (:func:`adasum_lightning.validation.check_adasum_mesh`).
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{owner}'s mesh is a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: build "
+            "it with init_device_mesh(device_type, (replica_groups, shard_size), "
+            "mesh_dim_names=('replicate', 'shard'))."
+        )
+    validation.check_adasum_mesh(mesh.ndim, mesh.mesh_dim_names, owner)
+    return mesh.get_group("replicate"), mesh.get_group("shard")
+
+
+def local_shards(
+    params: Sequence[torch.Tensor], shard_group: dist.ProcessGroup, owner: str = "sharded_adasum_step"
+) -> list[torch.Tensor]:
+    """Each parameter's local shard on this rank: ``p.to_local()`` of a ``DTensor`` (a view of the parameter's
+    own storage, as FSDP2 keeps it), the tensor itself for a plain one.
+
+    Raises:
+        AdasumConfigurationError: with a shard group of more than one rank, a parameter that is not a
+            ``DTensor`` with ``Shard`` placements on a 1-D mesh of that group's ranks
+            (:func:`adasum_lightning.validation.check_sharded_parameters`).
+    """
+    size = world_size(shard_group)
+    ranks = dist.get_process_group_ranks(shard_group) if size > 1 else []
+    out, unsharded = [], []
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            sharded = all(isinstance(pl, Shard) for pl in p.placements)
+            if mesh.ndim != 1 or not sharded or (size > 1 and mesh.mesh.flatten().tolist() != ranks):
+                unsharded.append(f"#{i} {tuple(p.shape)} {tuple(p.placements)} on {mesh}")
+            with torch.no_grad():
+                out.append(p.to_local())
+        else:
+            if size > 1:
+                unsharded.append(f"#{i} {tuple(p.shape)} a plain {type(p).__name__}")
+            out.append(p)
+    validation.check_sharded_parameters(owner, size, unsharded)
+    return out
+
+
+def full_tensor(t: torch.Tensor, shard_group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole tensor of a ``DTensor`` sharded over ``shard_group`` (``Shard(d)`` placement: FSDP2's chunks
+    of ``ceil(n / S)`` along dim ``d``, the last ones shorter or empty); a plain tensor as it is. A collective
+    on ``shard_group``: every rank of it calls this for the same tensors.
+
+    Gathered by ``all_gather`` of the padded local shards on ``shard_group`` itself, not by
+    ``DTensor.full_tensor()``: DTensor caches its redistribution plans by mesh, and meshes compare equal by
+    layout, so in a process that destroyed an earlier mesh's groups and built an equal mesh the cached plan
+    would name the destroyed groups.
+
+    Returns:
+        A new tensor of ``t``'s global shape, dtype and device.
+    """
+    if not isinstance(t, DTensor):
+        return t.detach().clone()
+    local = t.to_local().detach()
+    size = world_size(shard_group)
+    if size == 1:
+        return local.clone()
+    placement = t.placements[0]
+    assert isinstance(placement, Shard), placement
+    dim, n = placement.dim, t.shape[placement.dim]
+    chunk = -(-n // size)
+    padded = local.new_zeros((*local.shape[:dim], chunk, *local.shape[dim + 1 :]))
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded.contiguous(), group=shard_group)
+    return torch.cat(parts, dim=dim).narrow(dim, 0, n).clone()
+
+
+def local_chunk(whole: torch.Tensor, param: torch.Tensor, shard_group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's chunk of ``whole`` (a tensor of ``param``'s global shape) as FSDP2 cuts ``param``: its
+    ``Shard(d)`` chunk of ``ceil(n / S)`` along dim ``d`` (the last ones shorter or empty), a view; ``whole``
+    itself when ``param`` is not a ``DTensor``.
+
+    Raises:
+        ValueError: ``whole`` does not have ``param``'s global shape (a checkpoint of another model).
+    """
+    if tuple(whole.shape) != tuple(param.shape):
+        raise ValueError(
+            f"a saved tensor of shape {tuple(whole.shape)} cannot fill a parameter of shape "
+            f"{tuple(param.shape)}: load a checkpoint of this model"
+        )
+    if not isinstance(param, DTensor):
+        return whole
+    placement = param.placements[0]
+    assert isinstance(placement, Shard), placement
+    dim, n = placement.dim, param.shape[placement.dim]
+    size = world_size(shard_group)
+    chunk = -(-n // size)
+    start = min(chunk * (dist.get_rank(shard_group) if size > 1 else 0), n)
+    return whole.narrow(dim, start, param.to_local().shape[dim])
+
+
+def shard_module(
+    module: Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> list[str]:
+    """``fully_shard(child, mesh=mesh)`` on each top-level child of ``module`` that has parameters, then on
+    ``module`` itself: one all-gather per child in forward (FSDP2's usual unit), the root's hooks around the
+    whole step. A module that already holds FSDP2 modules (sharded by the user) is sharded at the root only;
+    one that is itself an FSDP2 module is left alone.
+
+    Args:
+        module: the whole module, the same values on every rank of ``mesh`` (each keeps its own chunk).
+        mesh: the 1-D mesh to shard over (``mesh_2d["shard"]``).
+        mp_policy: FSDP2's mixed precision (e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)``: the sharded parameters, their steps and the Adasum stay float32).
+
+    Returns:
+        The names of the modules sharded here, in order (``""`` is ``module``).
+    """
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    sharded = []
+    if not any(isinstance(m, FSDPModule) for m in module.modules()):
+        for name, child in module.named_children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, **kwargs)
+                sharded.append(name)
+    if not isinstance(module, FSDPModule):
+        fully_shard(module, **kwargs)
+        sharded.append("")
+    return sharded
+
+
+def full_state_dict(module: Module, shard_group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """``module.state_dict()`` with each sharded tensor gathered whole over ``shard_group``
+    (:func:`full_tensor`): the layout of the unsharded module. A collective on ``shard_group``."""
+    state = module.state_dict()
+    if shard_group is None:
+        return state
+    return {k: full_tensor(v, shard_group) if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def load_full_state_dict(
+    module: Module, state_dict: Mapping[str, Any], shard_group: dist.ProcessGroup, strict: bool = True
+) -> tuple[list[str], list[str]]:
+    """Fill a sharded module from a state dict of whole tensors (:func:`full_state_dict`'s, or an unsharded
+    module's): each rank copies its own chunk of every sharded tensor (:func:`local_chunk`) into its local
+    shard, and the other tensors (buffers) whole. No communication.
+
+    Returns:
+        ``(missing_keys, unexpected_keys)``.
+
+    Raises:
+        RuntimeError: with ``strict``, keys missing or unexpected (as ``Module.load_state_dict``).
+        ValueError: a saved tensor of another shape.
+    """
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, unexpected "
+            f"keys {unexpected}. Load a checkpoint of this model, or pass strict=False."
+        )
+    with torch.no_grad():
+        for key, target in own.items():
+            if key not in state_dict or not torch.is_tensor(target):
+                continue
+            value = torch.as_tensor(state_dict[key])
+            local = target.to_local() if isinstance(target, DTensor) else target
+            local.copy_(local_chunk(value, target, shard_group))
+    return missing, unexpected
+
+
+def optimizer_state_to_local(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` with its ``DTensor`` values as plain local shards (copies): what this
+    rank saves of its group's optimizer state."""
+    return {
+        **state_dict,
+        "state": {
+            key: {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in values.items()}
+            for key, values in state_dict.get("state", {}).items()
+        },
+    }
+
+
+def optimizer_state_to_shards(optimizer: Optimizer, shard_group: dist.ProcessGroup, whole: bool) -> None:
+    """After ``optimizer.load_state_dict`` of plain tensors: each per-parameter state tensor (of dim ≥ 1) of a
+    ``DTensor`` parameter becomes a ``DTensor`` shard like its parameter, in place — this rank's chunk of it
+    with ``whole`` (a state saved unsharded), else the tensor itself (this rank's saved shard). Scalars
+    (``step``) stay as they are."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor) or p not in optimizer.state:
+                continue
+            values = optimizer.state[p]
+            for k, v in values.items():
+                if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
+                    local = p.to_local()
+                    chunk = local_chunk(v, p, shard_group) if whole else v
+                    chunk = chunk.to(device=local.device, dtype=local.dtype).contiguous()
+                    values[k] = DTensor.from_local(
+                        chunk, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+
+
+#: The file of a sharded checkpoint's folder that holds everything but the tensors (written by rank 0).
+SHARDED_META = "meta.pt"
+
+
+def save_sharded_checkpoint(path: Any, tensors: dict[str, Any], meta: dict[str, Any] | None) -> None:
+    """Write a sharded checkpoint: the folder ``path`` with ``tensors`` (this rank's entries: ``DTensor``
+    shards and plain tensors, possibly other keys than the other ranks') through
+    ``torch.distributed.checkpoint`` (every rank calls it: a collective over the default group), and
+    ``meta`` (on the rank that passes it) in ``<path>/meta.pt``. Entries saved by several ranks under the
+    same key and offsets (the replicas of a shard) are written once."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, checkpoint_id=folder)
+    if meta is not None:
+        torch.save(meta, folder / SHARDED_META)
+
+
+def sharded_model_state(module: Module, keep_plain: bool) -> dict[str, Any]:
+    """``module.state_dict()`` as a sharded checkpoint's entries: the ``DTensor`` shards, and the plain
+    tensors (buffers, unsharded parameters) only where ``keep_plain`` (rank 0: one rank's buffers)."""
+    state = module.state_dict()
+    return {k: v for k, v in state.items() if keep_plain or isinstance(v, DTensor)}
+
+
+def load_sharded_model_state(module: Module, path: Any, prefix: str, strict: bool = True) -> None:
+    """Fill ``module`` (sharded on any mesh, or not at all) from a sharded checkpoint's entries
+    ``<prefix><name>``: ``torch.distributed.checkpoint`` reads the parts of the saved tensors that this
+    rank's shards cover (resharding from another shard size). A collective over the default group."""
+    import torch.distributed.checkpoint as dcp
+
+    target = {f"{prefix}{k}": v for k, v in module.state_dict().items()}
+    dcp.load(target, checkpoint_id=Path(path))
+    module.load_state_dict({k[len(prefix) :]: v for k, v in target.items()}, strict=strict)
+
+
+def sharded_optimizer_entries(
+    optimizer: Optimizer, names: Mapping[int, str], key: str
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """This rank's optimizer state as a sharded checkpoint's entries ``<key>.<parameter name>.<state>``, and
+    its layout ``{parameter name: {state: ("shard", dtype) | ("tensor", shape, dtype) | ("value", v)}}``.
+
+    ``names`` maps ``id(parameter)`` to the parameter's name in its module; ``key`` names this replica
+    group's copy (every group keeps its own optimizer state: e.g. ``"optimizer0.replica1"``).
+    """
+    entries: dict[str, torch.Tensor] = {}
+    layout: dict[str, dict[str, Any]] = {}
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        if p not in optimizer.state:
+            continue
+        name = names[id(p)]
+        layout[name] = {}
+        for state_name, value in optimizer.state[p].items():
+            if isinstance(value, DTensor):
+                layout[name][state_name] = ("shard", str(value.dtype).removeprefix("torch."))
+            elif torch.is_tensor(value):
+                layout[name][state_name] = (
+                    "tensor",
+                    tuple(value.shape),
+                    str(value.dtype).removeprefix("torch."),
+                )
+            else:
+                layout[name][state_name] = ("value", value)
+                continue
+            entries[f"{key}.{name}.{state_name}"] = value
+    return entries, layout
+
+
+def load_sharded_optimizer_state(
+    optimizer: Optimizer,
+    names: Mapping[int, str],
+    path: Any,
+    key: str,
+    layout: Mapping[str, Mapping[str, Any]],
+    param_groups: list[dict[str, Any]],
+) -> None:
+    """Restore ``optimizer`` from a sharded checkpoint's entries ``<key>.…``
+    (:func:`sharded_optimizer_entries` of the replica group this rank takes its state from), resharded to this
+    rank's parameters' shards, with the saved ``param_groups``. A collective over the default group.
+
+    Raises:
+        KeyError: a parameter of the layout that ``optimizer`` does not hold (a checkpoint of another model).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    target: dict[str, torch.Tensor] = {}
+    for name, entries in layout.items():
+        p = by_name[name]
+        for state_name, kind in entries.items():
+            if kind[0] == "shard":
+                assert isinstance(p, DTensor), name
+                local = torch.zeros_like(p.to_local(), dtype=getattr(torch, kind[1]))
+                target[f"{key}.{name}.{state_name}"] = DTensor.from_local(
+                    local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                )
+            elif kind[0] == "tensor":
+                target[f"{key}.{name}.{state_name}"] = torch.zeros(kind[1], dtype=getattr(torch, kind[2]))
+    if target:
+        dcp.load(target, checkpoint_id=Path(path))
+    state = {
+        index[id(by_name[name])]: {
+            state_name: kind[1] if kind[0] == "value" else target[f"{key}.{name}.{state_name}"]
+            for state_name, kind in entries.items()
+        }
+        for name, entries in layout.items()
+    }
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def broadcast_from_replica_zero(params: Sequence[torch.Tensor], replicate_group: dist.ProcessGroup) -> None:
+    """Give every replica group replica group 0's parameters, in place: each rank's local shards from the rank
+    at its shard position in group 0, over ``replicate_group`` (empty shards skipped). No-op for one group.
+
+    The shards inside a group come from its own ranks: build the model from the same seed (or load the same
+    checkpoint) on every rank before ``fully_shard``, as FSDP2 itself needs.
+    """
+    if world_size(replicate_group) == 1:
+        return
+    src = dist.get_global_rank(replicate_group, 0)
+    with torch.no_grad():
+        for p in params:
+            t = p.to_local() if isinstance(p, DTensor) else p.data
+            if t.numel():
+                buffer = t if t.is_contiguous() else t.contiguous()
+                dist.broadcast(buffer, src=src, group=replicate_group)
+                if buffer is not t:
+                    t.copy_(buffer)
+
+
+def broadcast_module_from_rank_zero(module: Module, replicate_group: dist.ProcessGroup) -> None:
+    """Give every rank rank 0's values of a module that may be sharded already, in place: the local shards
+    of its ``DTensor`` parameters and buffers from replica group 0 (:func:`broadcast_from_replica_zero`),
+    its plain tensors whole from global rank 0. A collective on every rank."""
+    tensors = [*module.parameters(), *module.buffers()]
+    broadcast_from_replica_zero([t for t in tensors if isinstance(t, DTensor)], replicate_group)
+    broadcast_from_rank_zero([t for t in tensors if not isinstance(t, DTensor)])
+
+
+def adasum_allreduce_sharded(
+    tensors: Sequence[torch.Tensor],
+    replicate_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    timeout: timedelta | None = None,
+) -> list[torch.Tensor]:
+    """Adasum over the replica groups of whole tensors sharded over each group, in place.
+
+    ``tensors`` are this rank's local shards (any shapes, possibly empty); the ranks of one shard group pass
+    the shards of the same whole tensors in the same order, and the rank at the same shard position in every
+    replica group passes shards of the same shapes. Afterwards each shard holds its part of
+    ``adasum(whole tensor over the replica groups)`` (module docstring), the same bits in every replica group:
+    ``adasum(a, b) = (1 − a·b/(2‖a‖²))·a + (1 − a·b/(2‖b‖²))·b`` per whole tensor, the dot product and squared
+    norms of the local shards in float64 summed over ``shard_group`` (a coefficient is 1 when the squared
+    norm is below :data:`~adasum_lightning.ops.ADASUM_NORM_EPS`), the combination in float64, rounded once
+    to the dtype (as :func:`adasum_lightning.ops.adasum`).
+
+    Per level: one point-to-point exchange of the whole local shards (one flat buffer per dtype and device)
+    with the partner on ``replicate_group`` (global ranks through ``dist.get_global_rank``), and one
+    ``all_reduce`` of ``3 × len(tensors)`` float64 statistics on ``shard_group``. With a shard group of one
+    rank the arithmetic is :func:`adasum_lightning.allreduce.adasum_allreduce`'s small-bucket path, bitwise.
+
+    Args:
+        tensors: the local shards, dtypes float16, bfloat16, float32 or float64.
+        replicate_group: this rank's replicate group (:func:`replica_groups`).
+        shard_group: this rank's shard group.
+        timeout: how long one point-to-point exchange waits for its peer on Gloo (see
+            :func:`adasum_lightning.adasum_allreduce`).
+
+    Returns:
+        ``tensors`` as a list, reduced in place. One replica group (or an empty list): a no-op.
+
+    Raises:
+        TypeError: an element is not a tensor of a supported dtype.
+        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
+    """
+    out = tensors if isinstance(tensors, list) else list(tensors)
+    for i, t in enumerate(out):
+        _check_tensor(t, i)
+    if not out or world_size(replicate_group) == 1 or dist.get_rank(replicate_group) < 0:
+        return out
+    with torch.no_grad():
+        for bucket in _buckets(out).values():
+            total = sum(t.numel() for t in bucket)
+            flat = workspace(total, bucket[0].dtype, bucket[0].device, slot="sharded-flat")
+            torch.cat([t.reshape(-1) for t in bucket], out=flat)
+            _reduce_sharded(flat, [t.numel() for t in bucket], replicate_group, shard_group, timeout)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+    return out
+
+
+def sharded_adasum_step(
+    params: Sequence[torch.Tensor],
+    local_step: Callable[[], T],
+    replicate_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    timeout: timedelta | None = None,
+) -> T:
+    """Run ``local_step`` (this replica group's sharded optimizer step), then replace its update of ``params``
+    by the Adasum of every replica group's update: ``θ := θ_before + Adasum(θ_after − θ_before)`` per whole
+    parameter (:func:`adasum_allreduce_sharded`).
+
+    ``params`` are FSDP2's sharded parameters (``DTensor`` with ``Shard`` placements on ``mesh["shard"]``);
+    each rank copies its local shards (θ_before, one flat copy per dtype and device), runs ``local_step``,
+    writes the deltas into a second flat buffer, puts θ_before back into the local shards (``to_local()``, a
+    view of the parameter's storage), combines the deltas (the partner's shards received into the first
+    buffer: two shard-sized buffers in all, kept between steps) and adds the result. Every rank must call
+    this for the same parameters at the same step. One replica group: ``local_step()`` alone.
+
+    Raises:
+        AdasumConfigurationError: a parameter is not sharded over ``shard_group`` (see :func:`local_shards`).
+        TypeError: a parameter's dtype is not one the reduction supports.
+        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
+    """
+    if world_size(replicate_group) == 1:
+        return local_step()
+    params = [p for p in params if p.numel()]  # the whole tensor's size: the same on every rank
+    shards = local_shards(params, shard_group)
+    for i, t in enumerate(shards):
+        _check_tensor(t, i)
+    buckets = _buckets(shards)
+    befores = {}
+    with torch.no_grad():
+        for key, bucket in buckets.items():
+            before = workspace(sum(t.numel() for t in bucket), *key, slot="sharded-before")
+            torch.cat([t.reshape(-1) for t in bucket], out=before)
+            befores[key] = before
+    output = local_step()
+    with torch.no_grad():
+        after = _buckets(local_shards(params, shard_group))  # the same views, looked up again after the step
+        for key, bucket in after.items():
+            before, counts = befores[key], [t.numel() for t in bucket]
+            delta = workspace(before.numel(), *key, slot="sharded-delta")
+            offset = 0
+            for t, n in zip(bucket, counts, strict=True):
+                torch.sub(t.reshape(-1), before[offset : offset + n], out=delta[offset : offset + n])
+                offset += n
+            offset = 0
+            for t, n in zip(bucket, counts, strict=True):  # θ_before back in place: its buffer is free
+                t.copy_(before[offset : offset + n].view(t.shape))
+                offset += n
+            _reduce_sharded(delta, counts, replicate_group, shard_group, timeout, recv=before)
+            offset = 0
+            for t, n in zip(bucket, counts, strict=True):
+                t.add_(delta[offset : offset + n].view(t.shape))  # θ_before + combined, as adasum_step
+                offset += n
+    return output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Internals
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+    """Tensors by dtype and device, in order; empty local shards kept (the shard group's statistics align)."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    return buckets
+
+
+def _reduce_sharded(
+    flat: torch.Tensor,
+    counts: list[int],
+    replicate_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    timeout: timedelta | None,
+    recv: torch.Tensor | None = None,
+) -> None:
+    """Adasum over the replica groups of one flat buffer of local shards (``counts`` elements each); ``recv``:
+    a buffer of ``flat``'s size for the partner's shards (default: a kept workspace)."""
+    size = dist.get_world_size(replicate_group)
+    comm = _Comm(replicate_group, dist.get_rank(replicate_group), size, timeout)
+    q, size = comm.rank, comm.size
+    p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
+    if q >= p:  # folded into q - p; the result comes back at the end
+        comm.exchange(q - p, flat, None)
+        comm.exchange(q - p, None, flat)
+        return
+    if recv is None:
+        recv = workspace(flat.numel(), flat.dtype, flat.device, slot="sharded-recv")
+    plan = _plan(counts, CPU_CHUNK if flat.device.type == "cpu" else DEVICE_CHUNK)
+    if q + p < size:
+        comm.exchange(q + p, None, recv)
+        _combine(flat, recv, True, plan, len(counts), shard_group)
+    d = 1
+    while d < p:
+        comm.exchange(q ^ d, flat, recv)
+        _combine(flat, recv, q < q ^ d, plan, len(counts), shard_group)
+        d <<= 1
+    if q + p < size:
+        comm.exchange(q + p, flat, None)
+
+
+def _combine(
+    own: torch.Tensor,
+    theirs: torch.Tensor,
+    own_is_low: bool,
+    plan: list,
+    num: int,
+    shard_group: dist.ProcessGroup,
+) -> None:
+    """``own := adasum(low, up)`` per whole tensor, ``low`` the lower replica index's shards: the statistics
+    ``[low·up, ‖low‖², ‖up‖²]`` of the local shards summed over ``shard_group``, Horovod's coefficients
+    (``adasum.h``), the combination in float64 — the same operations in the same order on both partners."""
+    low, up = (own, theirs) if own_is_low else (theirs, own)
+    grams = _local_grams(low, up, plan, num)  # per tensor [low·low, low·up, up·low, up·up]
+    stats = grams[:, [1, 0, 3]].contiguous()
+    if world_size(shard_group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard_group)
+    _scaled_add(low, up, plan, _coefficients(stats, left=True))  # low := c_low·low + c_up·up
+    if not own_is_low:
+        own.copy_(theirs)

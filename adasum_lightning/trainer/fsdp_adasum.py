@@ -1,0 +1,391 @@
+"""``fsdp_adasum``: Adasum across replica groups, FSDP2 inside each (:mod:`adasum_lightning.sharded`)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from pytorch_lightning.accelerators import Accelerator
+from pytorch_lightning.plugins.precision import Precision
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from adasum_lightning import reporting, validation
+from adasum_lightning._strategy_parts import (
+    SHARDED_OPTIMIZER_MESH,
+    check_launcher_world_size,
+    make_parameters_contiguous,
+)
+from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.sharded import (
+    SHARDED_META,
+    broadcast_module_from_rank_zero,
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded_model_state,
+    load_sharded_optimizer_state,
+    local_shards,
+    optimizer_state_to_local,
+    optimizer_state_to_shards,
+    save_sharded_checkpoint,
+    shard_module,
+    sharded_adasum_step,
+    sharded_model_state,
+    sharded_optimizer_entries,
+)
+from adasum_lightning.step import optimizer_parameters
+
+from . import _compat
+from ._base import RANK_OPTIMIZER_STATES, UpdateReducingDDPStrategy
+
+__all__ = ["FSDPAdasumStrategy", "SHARDED_OPTIMIZER_MESH", "SHARDED_LAYOUTS"]
+
+#: The key of a sharded checkpoint's ``meta.pt`` that holds each optimizer's state layout.
+SHARDED_LAYOUTS = "adasum_sharded_optimizer_layouts"
+
+
+class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
+    """Adasum across replica groups of ``shard_size`` ranks, each group training a model sharded by FSDP2.
+
+    **Semantics** (Horovod's hierarchical Adasum with a replica group of ranks in place of a node; see
+    :mod:`adasum_lightning.sharded`): the world is a 2-D mesh ``replicate × shard`` (:attr:`device_mesh`,
+    row-major: ranks ``0 … S−1`` are replica group 0). Inside a group FSDP2 works as usual: every rank reads
+    its own batches, the gradients are reduce-scattered and averaged over the group, and each rank steps its
+    own shard with its own shard of the optimizer state (Lightning's closure, precision plugin and
+    accumulation window as under ``ddp``). Across the groups the parameter deltas of that step are combined by
+    Adasum per parameter as a whole tensor (:func:`adasum_lightning.sharded.sharded_adasum_step`), so every
+    group holds the same parameters after every step and keeps its own optimizer state. No learning-rate
+    scaling by the number of groups (``lr_scaling="auto"`` is factor 1), as for ``ddp_adasum``.
+
+    **Sharding.** When fitting starts every rank takes rank 0's parameters and buffers (the whole module,
+    before sharding), then ``fully_shard(child, mesh=mesh["shard"])`` is applied to each top-level child
+    module that has parameters, then to the LightningModule itself. A module that already holds FSDP2 modules
+    (sharded in ``configure_model`` with ``self.device_mesh["shard"]``, the same values on the ranks of a
+    group) is sharded at the root only, every group taking group 0's shards. Training,
+    validation, test and predict steps run through the root module's ``forward`` (Lightning's forward
+    redirection), so that FSDP2's root hooks run. Buffers are neither sharded nor combined: each rank keeps
+    its own.
+
+    **Checkpoints.** ``state_dict_type="full"``: the model's state is saved whole (gathered over the shard
+    group: a checkpoint of ``ddp_adasum``'s layout, loadable without FSDP2); every rank saves its own shard of
+    its group's optimizer state (rank 0's in the checkpoint, the others beside it, as ``ddp_adasum`` does)
+    and resumes from it on the same mesh. A ``ddp_adasum`` checkpoint (whole optimizer states) resumes here
+    too, each rank taking its chunk. ``state_dict_type="sharded"``: a folder written by
+    ``torch.distributed.checkpoint`` (every rank its shards, each replica group's optimizer state under its
+    own key) that resumes on any mesh: the parameters resharded, replica group ``q`` taking saved group
+    ``q mod R_old``'s optimizer state. The model is restored after sharding, from either layout.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            ``ddp_adasum`` (:class:`._base.UpdateReducingDDPStrategy`).
+        process_group_backend, timeout, start_method, lr_scaling, uneven_inputs: as for ``ddp_adasum``.
+        shard_size: the ranks of one replica group, over which FSDP2 shards the model (default: the processes
+            per node, ``devices``); it must divide the world size.
+        mp_policy: FSDP2's mixed precision for every ``fully_shard`` (e.g. ``MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in bfloat16, the
+            gradients reduced, the shards stepped and the deltas combined in float32).
+        state_dict_type: ``"full"`` or ``"sharded"`` (above).
+
+    Raises:
+        AdasumConfigurationError: when the processes start, a ``shard_size`` that does not divide the world
+            size (:func:`adasum_lightning.validation.check_shard_size`); a ``state_dict_type`` other than
+            ``"full"``/``"sharded"``; at a resume, a full checkpoint of another mesh.
+    """
+
+    strategy_name = "fsdp_adasum"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        lr_scaling: str | float = "auto",
+        uneven_inputs: str = "truncate",
+        shard_size: int | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        state_dict_type: str = "full",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            lr_scaling=lr_scaling,
+            uneven_inputs=uneven_inputs,
+        )
+        self.shard_size = shard_size
+        self.mp_policy = mp_policy
+        self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self._sharded_path: Any = None  # the folder of the sharded checkpoint being restored
+        self._device_mesh: DeviceMesh | None = None
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 2-D mesh ``("replicate", "shard")``, built when the processes start.
+
+        Raises:
+            RuntimeError: before the processes started.
+        """
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "fsdp_adasum's device mesh is built when the processes start (setup_environment)"
+            )
+        return self._device_mesh
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        """This rank's group of replicas (one rank per replica group, at this rank's shard position)."""
+        return self.device_mesh.get_group("replicate")
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's replica group (FSDP2 shards over them)."""
+        return self.device_mesh.get_group("shard")
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(replica groups, shard_size)``."""
+        groups, shard = self.device_mesh.shape
+        return groups, shard
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def setup_environment(self) -> None:
+        check_launcher_world_size(self, api="Trainer")
+        super().setup_environment()
+        shard = self.shard_size if self.shard_size is not None else self.num_processes
+        with reporting.reported_on_every_rank(self.global_rank):
+            validation.check_shard_size(self.world_size, shard, self.strategy_name)
+        shape = (self.world_size // shard, shard)
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, shape, mesh_dim_names=validation.ADASUM_MESH_DIMS
+        )
+        if self.lightning_module is not None:  # configure_model() may shard with self.device_mesh["shard"]
+            self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def configure_ddp(self) -> None:
+        """Rank 0's parameters and buffers on every rank, then FSDP2 on ``mesh["shard"]`` (see the class)."""
+        assert self.model is not None
+        if any(isinstance(m, FSDPModule) for m in self.model.modules()):  # sharded by configure_model()
+            broadcast_module_from_rank_zero(self.model, self.replicate_group)
+        else:
+            make_parameters_contiguous(self.model)
+            _compat.sync_module_states(self.model)
+        shard_module(self.model, self.device_mesh["shard"], self.mp_policy)
+
+    @override
+    def _describe_reduction(self) -> str:
+        groups, shard = self.mesh_shape
+        return (
+            f"Adasum of parameter deltas across {groups} replica groups over {self.process_group_backend}, "
+            f"FSDP2 over {shard} ranks in each"
+        )
+
+    # ------------------------------------------------------------------------------------------ steps
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's local step in this replica group (FSDP2), then the Adasum of the deltas across the
+        groups (see the class)."""
+        params = optimizer_parameters(_compat.unwrap_lightning_optimizer(optimizer))
+        with reporting.reported_on_every_rank(self.global_rank):
+            local_shards(params, self.shard_group, self.strategy_name)
+        local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        timeout = _compat.process_group_timeout(self)
+        output = sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
+        self._deliver_pending_sigterm()
+        return output
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
+
+    def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``lightning_module.<method>(...)``, called from inside the root module's ``forward`` once it is an
+        FSDP2 module (its hooks gather the root's parameters and mark the root for the backward pass)."""
+        module = self.lightning_module
+        assert module is not None
+        if isinstance(self.model, FSDPModule):
+            return self._forward_redirection(self.model, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """The model is restored once sharded: a sharded checkpoint is read into the shards of this mesh."""
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole module's state (every rank gathers over its shard group: a collective); with
+        ``state_dict_type="sharded"`` the shards themselves."""
+        assert self.lightning_module is not None
+        if self.state_dict_type == "sharded":
+            return sharded_model_state(self.lightning_module, keep_plain=self.is_global_zero)
+        shard_group = self.shard_group if self._device_mesh is not None else None
+        return full_state_dict(self.lightning_module, shard_group)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state, its shards as plain tensors (``to_local``); with
+        ``state_dict_type="sharded"`` as ``DTensor`` shards."""
+        state = super().optimizer_state(optimizer)
+        return state if self.state_dict_type == "sharded" else optimizer_state_to_local(state)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """A full checkpoint also records the mesh whose ranks saved their optimizer shards; a sharded one is
+        the folder ``filepath`` (see :meth:`_save_sharded`)."""
+        if self.state_dict_type == "sharded":
+            self._save_sharded(checkpoint, filepath)
+            return
+        if "optimizer_states" in checkpoint and self._device_mesh is not None:
+            checkpoint = {**checkpoint, SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """``torch.distributed.checkpoint`` of the model's shards (``model.<name>``) and of every replica
+        group's optimizer state (``optimizer<i>.replica<q>.<parameter>.<state>``); the rest of rank 0's
+        checkpoint, the optimizers' param groups and state layouts and the mesh in ``meta.pt``."""
+        checkpoint = dict(checkpoint)
+        tensors = {f"model.{k}": v for k, v in checkpoint.pop("state_dict", {}).items()}
+        names = self._parameter_names()
+        layouts, param_groups = [], []
+        replica = self.device_mesh.get_local_rank("replicate")
+        for i, optimizer in enumerate(self.optimizers if "optimizer_states" in checkpoint else []):
+            local = _compat.unwrap_lightning_optimizer(optimizer)
+            entries, layout = sharded_optimizer_entries(local, names, f"optimizer{i}.replica{replica}")
+            tensors.update(entries)
+            layouts.append(layout)
+            param_groups.append(checkpoint["optimizer_states"][i]["param_groups"])
+        meta = None
+        if self.is_global_zero:
+            meta = {**checkpoint, SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
+            if layouts:
+                record = {"world_size": self.world_size, "lr_factor": self.lr_factor}
+                meta |= {
+                    "optimizer_states": param_groups,
+                    SHARDED_LAYOUTS: layouts,
+                    RANK_OPTIMIZER_STATES: record,
+                }
+        save_sharded_checkpoint(filepath, tensors, meta)
+
+    def _parameter_names(self) -> dict[int, str]:
+        assert self.lightning_module is not None
+        return {id(p): name for name, p in self.lightning_module.named_parameters()}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A full checkpoint as ``ddp_adasum``'s; a sharded one (a folder): its ``meta.pt``, the tensors read
+        when the model and the optimizers are restored."""
+        if not os.path.isdir(checkpoint_path):
+            self._sharded_path = None
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._sharded_path = checkpoint_path
+        kwargs = {} if weights_only is None else {"weights_only": weights_only}
+        meta = self.checkpoint_io.load_checkpoint(os.path.join(checkpoint_path, SHARDED_META), **kwargs)
+        return {**meta, "state_dict": {}}  # the model's tensors: load_model_state_dict
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Each rank fills its shards: its chunk of the whole saved tensors (a full checkpoint), or the parts
+        of the saved shards that its shards cover (a sharded one, saved on any mesh)."""
+        assert self.lightning_module is not None
+        if self._sharded_path is not None:
+            load_sharded_model_state(self.lightning_module, self._sharded_path, "model.", strict=strict)
+        else:
+            load_full_state_dict(
+                self.lightning_module, checkpoint["state_dict"], self.shard_group, strict=strict
+            )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """A full checkpoint: each rank its own saved shard (same mesh only), or its chunk of a whole saved
+        state (a checkpoint of ``ddp_adasum``). A sharded one, saved on a ``R_old × S_old`` mesh: replica
+        group ``q`` takes group ``q mod R_old``'s optimizer state, resharded to this mesh's shard size. The
+        tensors become ``DTensor`` shards like their parameters.
+
+        Raises:
+            AdasumConfigurationError: a full checkpoint of optimizer shards saved on another mesh.
+        """
+        if self._sharded_path is not None:
+            self._load_sharded_optimizers(checkpoint)
+            return
+        saved_mesh = checkpoint.get(SHARDED_OPTIMIZER_MESH)
+        if saved_mesh is not None:
+            with reporting.reported_on_every_rank(self.global_rank):
+                validation.check_resume_mesh(saved_mesh, self.mesh_shape, self.strategy_name)
+        super().load_optimizer_state_dict(checkpoint)
+        for optimizer in self.optimizers:
+            local = _compat.unwrap_lightning_optimizer(optimizer)
+            optimizer_state_to_shards(local, self.shard_group, whole=saved_mesh is None)
+
+    def _load_sharded_optimizers(self, checkpoint: Any) -> None:
+        record = checkpoint.get(RANK_OPTIMIZER_STATES) or {}
+        self._resumed_lr_factor = record.get("lr_factor")
+        source = self.device_mesh.get_local_rank("replicate") % int(checkpoint[SHARDED_OPTIMIZER_MESH][0])
+        names = self._parameter_names()
+        layouts, param_groups = checkpoint[SHARDED_LAYOUTS], checkpoint["optimizer_states"]
+        for i, optimizer in enumerate(self.optimizers):
+            local = _compat.unwrap_lightning_optimizer(optimizer)
+            key = f"optimizer{i}.replica{source}"
+            load_sharded_optimizer_state(local, names, self._sharded_path, key, layouts[i], param_groups[i])
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not os.path.isdir(filepath):
+            super().remove_checkpoint(filepath)
+        elif self.is_global_zero:
+            shutil.rmtree(filepath)
+
+    # ------------------------------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        release_workspace()  # the reduction's buffers, kept between steps
+        super().teardown()

@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module, SyncBatchNorm
@@ -27,6 +28,7 @@ from adasum_lightning.reporting import reported_on_every_rank
 
 __all__ = [
     "HorovodProcess",
+    "ReplicaMesh",
     "check_launcher_world_size",
     "make_parameters_contiguous",
     "periodic_sync",
@@ -147,6 +149,59 @@ def named_parameters(
         for g, group in enumerate(optimizer.param_groups)
         for j, p in enumerate(group["params"])
     ]
+
+
+class ReplicaMesh:
+    """The 2-D ``("replicate", "shard")`` mesh of both APIs' ``fsdp_adasum``: replica groups of ``shard_size``
+    ranks, row-major (ranks 0…S−1 are group 0); FSDP2 shards over ``mesh["shard"]``."""
+
+    strategy_name: str
+    shard_size: int | None
+    _device_mesh: Any = None
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``DeviceMesh``, built when the processes start (:meth:`_build_mesh`).
+
+        Raises:
+            RuntimeError: before the processes started (``fabric.launch()``, ``Trainer.fit``).
+        """
+        if self._device_mesh is None:
+            raise RuntimeError(f"{self.strategy_name}'s device mesh is built when the processes start")
+        return self._device_mesh
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        """This rank's group of replicas (one rank per replica group, at this rank's shard position)."""
+        return self.device_mesh.get_group("replicate")
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's replica group (FSDP2 shards over them)."""
+        return self.device_mesh.get_group("shard")
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(replica groups, shard_size)``."""
+        groups, shard = self.device_mesh.shape
+        return groups, shard
+
+    def _build_mesh(self) -> None:
+        """The mesh of ``shard_size`` ranks per group (default: the processes per node); call once the
+        process group exists.
+
+        Raises:
+            AdasumConfigurationError: on every rank, a ``shard_size`` that does not divide the world size.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shard = self.shard_size if self.shard_size is not None else self.num_processes
+        with reported_on_every_rank(self.global_rank):
+            validation.check_shard_size(self.world_size, shard, self.strategy_name)
+        shape = (self.world_size // shard, shard)
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, shape, mesh_dim_names=validation.ADASUM_MESH_DIMS
+        )
 
 
 class HorovodProcess:

@@ -11,12 +11,11 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning_fabric.accelerators import Accelerator
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning_fabric.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -25,6 +24,7 @@ from typing_extensions import override
 from adasum_lightning import validation
 from adasum_lightning._strategy_parts import (
     SHARDED_OPTIMIZER_MESH,
+    ReplicaMesh,
     check_launcher_world_size,
     prepare_unwrapped_module,
     rank_optimizer_path,
@@ -59,7 +59,7 @@ __all__ = ["FSDPAdasumStrategy"]
 _SHARDED_LAYOUTS = "adasum_sharded_optimizer_layouts"
 
 
-class FSDPAdasumStrategy(DDPStrategy):
+class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
     """Adasum across replica groups of ``shard_size`` ranks, each group training a model sharded by FSDP2.
 
     The semantics of the Trainer's ``fsdp_adasum`` (docs/fsdp_adasum.md): a 2-D mesh ``replicate × shard``
@@ -138,32 +138,6 @@ class FSDPAdasumStrategy(DDPStrategy):
         self._sharded_parameters: set[int] = set()  # ids of the parameters of the modules set up
 
     # ------------------------------------------------------------------------------------------ properties
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The 2-D mesh ``("replicate", "shard")``, built when the processes start.
-
-        Raises:
-            RuntimeError: before ``fabric.launch()``.
-        """
-        if self._device_mesh is None:
-            raise RuntimeError("fsdp_adasum's device mesh is built when the processes start (launch)")
-        return self._device_mesh
-
-    @property
-    def replicate_group(self) -> dist.ProcessGroup:
-        """This rank's group of replicas (one rank per replica group, at this rank's shard position)."""
-        return self.device_mesh.get_group("replicate")
-
-    @property
-    def shard_group(self) -> dist.ProcessGroup:
-        """The ranks of this rank's replica group (FSDP2 shards over them)."""
-        return self.device_mesh.get_group("shard")
-
-    @property
-    def mesh_shape(self) -> tuple[int, int]:
-        """``(replica groups, shard_size)``."""
-        groups, shard = self.device_mesh.shape
-        return groups, shard
 
     @property
     @override
@@ -176,13 +150,7 @@ class FSDPAdasumStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         check_launcher_world_size(self, api="Fabric")
         super().setup_environment()
-        shard = self.shard_size if self.shard_size is not None else self.num_processes
-        with reported_on_every_rank(self.global_rank):
-            validation.check_shard_size(self.world_size, shard, self.strategy_name)
-        shape = (self.world_size // shard, shard)
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, shape, mesh_dim_names=validation.ADASUM_MESH_DIMS
-        )
+        self._build_mesh()
 
     @override
     def setup_module_and_optimizers(

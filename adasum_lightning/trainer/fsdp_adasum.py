@@ -9,14 +9,12 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -24,6 +22,7 @@ from typing_extensions import override
 from adasum_lightning import reporting, validation
 from adasum_lightning._strategy_parts import (
     SHARDED_OPTIMIZER_MESH,
+    ReplicaMesh,
     check_launcher_world_size,
     make_parameters_contiguous,
 )
@@ -55,7 +54,7 @@ __all__ = ["FSDPAdasumStrategy", "SHARDED_OPTIMIZER_MESH", "SHARDED_LAYOUTS"]
 SHARDED_LAYOUTS = "adasum_sharded_optimizer_layouts"
 
 
-class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
+class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     """Adasum across replica groups of ``shard_size`` ranks, each group training a model sharded by FSDP2.
 
     **Semantics** (Horovod's hierarchical Adasum with a replica group of ranks in place of a node; see
@@ -140,47 +139,13 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
         self._device_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------------------------------ properties
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The 2-D mesh ``("replicate", "shard")``, built when the processes start.
-
-        Raises:
-            RuntimeError: before the processes started.
-        """
-        if self._device_mesh is None:
-            raise RuntimeError(
-                "fsdp_adasum's device mesh is built when the processes start (setup_environment)"
-            )
-        return self._device_mesh
-
-    @property
-    def replicate_group(self) -> dist.ProcessGroup:
-        """This rank's group of replicas (one rank per replica group, at this rank's shard position)."""
-        return self.device_mesh.get_group("replicate")
-
-    @property
-    def shard_group(self) -> dist.ProcessGroup:
-        """The ranks of this rank's replica group (FSDP2 shards over them)."""
-        return self.device_mesh.get_group("shard")
-
-    @property
-    def mesh_shape(self) -> tuple[int, int]:
-        """``(replica groups, shard_size)``."""
-        groups, shard = self.device_mesh.shape
-        return groups, shard
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
         check_launcher_world_size(self, api="Trainer")
         super().setup_environment()
-        shard = self.shard_size if self.shard_size is not None else self.num_processes
-        with reporting.reported_on_every_rank(self.global_rank):
-            validation.check_shard_size(self.world_size, shard, self.strategy_name)
-        shape = (self.world_size // shard, shard)
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, shape, mesh_dim_names=validation.ADASUM_MESH_DIMS
-        )
+        self._build_mesh()
         if self.lightning_module is not None:  # configure_model() may shard with self.device_mesh["shard"]
             self.lightning_module._device_mesh = self._device_mesh
 
@@ -205,23 +170,17 @@ class FSDPAdasumStrategy(UpdateReducingDDPStrategy):
 
     # ------------------------------------------------------------------------------------------ steps
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
+    def _reduced_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any, kwargs: dict[str, Any]
     ) -> Any:
         """Lightning's local step in this replica group (FSDP2), then the Adasum of the deltas across the
         groups (see the class)."""
         params = optimizer_parameters(_compat.unwrap_lightning_optimizer(optimizer))
         with reporting.reported_on_every_rank(self.global_rank):
             local_shards(params, self.shard_group, self.strategy_name)
-        local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        local_step = functools.partial(self._local_step, optimizer, closure, model, kwargs)
         timeout = _compat.process_group_timeout(self)
-        output = sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
-        self._deliver_pending_sigterm()
-        return output
+        return sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

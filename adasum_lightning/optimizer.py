@@ -113,6 +113,7 @@ class AdasumOptimizer(Optimizer):
                 f"({type(timeout).__name__})"
             )
         validation.check_sync_every(sync_every, combine, "AdasumOptimizer")
+        validation.check_outer_optimizer_form("AdasumOptimizer", outer_optimizer, builder=False)
         if outer_optimizer is not None:
             validation.check_outer_optimizer(
                 "AdasumOptimizer",
@@ -143,8 +144,12 @@ class AdasumOptimizer(Optimizer):
         self._share_wrapped_state()
         self._broadcast(optimizer_parameters(optimizer))
         self._gradients_checked = False
-        self._sync_options = (sync_every, combine, outer_optimizer)
+        self._sync_options = (int(sync_every), combine, outer_optimizer)
         self._periodic = self._periodic_sync()
+        if sync_every > 1 and combine == "adasum" and outer_optimizer is None and dist.get_rank() == 0:
+            warnings.warn(
+                validation.local_sgd_without_outer_message("AdasumOptimizer", sync_every), stacklevel=2
+            )
 
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()

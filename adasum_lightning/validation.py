@@ -11,6 +11,7 @@ local step runs in the backward hook; ``gradient_predivide_factor`` needs op=Ave
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -47,6 +48,12 @@ __all__ = [
     "check_uneven_inputs",
     "check_skipped_backward_passes",
     "check_overlap_backward",
+    "check_compression",
+    "check_sync_every",
+    "check_no_local_sgd",
+    "check_outer_optimizer_form",
+    "check_outer_optimizer",
+    "local_sgd_without_outer_message",
     "overlap_fallback_reason",
     "clipping_refused",
     "unreadable_checkpoint",
@@ -543,6 +550,21 @@ def overlap_fallback_reason(
     return None
 
 
+def check_no_local_sgd(options: Iterable[str], strategy_name: str) -> None:
+    """The Horovod strategies take none of ``sync_every``, ``combine``, ``outer_optimizer``.
+
+    Raises:
+        AdasumConfigurationError: naming the options given and ``ddp_adasum``, which has them.
+    """
+    given = sorted(set(options) & {"sync_every", "combine", "outer_optimizer"})
+    if given:
+        raise AdasumConfigurationError(
+            f"{strategy_name} has no {', '.join(given)}: Horovod's optimizer reduces inside every backward "
+            "pass. Local SGD / DiLoCo is ddp_adasum's: DDPAdasumStrategy(sync_every=..., combine=..., "
+            "outer_optimizer=...), launched by Lightning, torchrun or SLURM."
+        )
+
+
 def check_sync_every(
     sync_every: object,
     combine: object,
@@ -557,7 +579,7 @@ def check_sync_every(
     Raises:
         AdasumConfigurationError: the value that is off and the accepted ones.
     """
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+    if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
         raise AdasumConfigurationError(
             f"{owner}'s sync_every is the number of local optimizer steps between syncs, a whole number ≥ 1 "
             f"(1: combine every step), got {sync_every!r}"
@@ -576,6 +598,39 @@ def check_sync_every(
         )
 
 
+def check_outer_optimizer_form(owner: str, outer: object, builder: bool) -> None:
+    """``outer_optimizer`` of the strategies (``builder``) is a callable that builds the outer optimizer from
+    the parameters; of ``AdasumOptimizer``, an optimizer. None (no outer optimizer) is fine for both.
+
+    Raises:
+        AdasumConfigurationError: the other form, or neither; the message shows the right one.
+    """
+    if outer is None:
+        return
+    is_optimizer = isinstance(outer, torch.optim.Optimizer)
+    if builder and (is_optimizer or not callable(outer)):
+        raise AdasumConfigurationError(
+            f"{owner}'s outer_optimizer builds the outer optimizer from an optimizer's parameters (one per "
+            "optimizer, at its first step): pass a callable such as functools.partial(torch.optim.SGD, "
+            f"lr=0.1, momentum=0.9, nesterov=True), got {type(outer).__name__}"
+        )
+    if not builder and not is_optimizer:
+        raise AdasumConfigurationError(
+            f"{owner}'s outer_optimizer is an optimizer over the same parameters, e.g. torch.optim.SGD("
+            f"model.parameters(), lr=0.1, momentum=0.9, nesterov=True), got {type(outer).__name__}"
+        )
+
+
+def local_sgd_without_outer_message(owner: str, sync_every: int) -> str:
+    """The warning for the Adasum of windows of several steps applied without an outer optimizer."""
+    return (
+        f"{owner}: sync_every={sync_every} with combine='adasum' and no outer optimizer adds the Adasum of "
+        "many-step pseudo-gradients at once, which overshoots (docs/local_sgd.md): pass an outer optimizer "
+        "with a small learning rate, e.g. functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, "
+        "nesterov=True), or combine='mean'."
+    )
+
+
 def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int]) -> None:
     """The outer optimizer steps exactly the inner optimizer's parameters (``inner``, ``outer``: their ids).
 
@@ -586,8 +641,9 @@ def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int]
     if missing or extra:
         raise AdasumConfigurationError(
             f"{owner}: the outer optimizer must step the same parameters as the inner one ({missing} of the "
-            f"inner optimizer's parameters missing, {extra} others): build it over the same parameters, e.g. "
-            "torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)."
+            f"inner optimizer's parameters missing, {extra} others): build it over the same parameters (the "
+            "strategies build it from them: pass e.g. functools.partial(torch.optim.SGD, lr=0.1, "
+            "momentum=0.9, nesterov=True))."
         )
 
 

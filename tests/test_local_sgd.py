@@ -13,8 +13,15 @@ import torch.distributed as dist
 
 from adasum_lightning import AdasumOptimizer
 from adasum_lightning.local_sgd import PeriodicSync
-from adasum_lightning.validation import AdasumConfigurationError, check_outer_optimizer, check_sync_every
-from tests.workers.lightning import PACKAGE, DDPAdasumStrategy
+from adasum_lightning.validation import (
+    AdasumConfigurationError,
+    check_no_local_sgd,
+    check_outer_optimizer,
+    check_outer_optimizer_form,
+    check_sync_every,
+    local_sgd_without_outer_message,
+)
+from tests.workers.lightning import PACKAGE, DDPAdasumStrategy, HorovodAdasumStrategy
 
 #: This project's Fabric strategies for the Lightning package under test.
 FABRIC = "adasum_lightning.fabric" if PACKAGE == "pytorch_lightning" else "adasum_lightning.lightning.fabric"
@@ -60,6 +67,47 @@ def test_outer_optimizer_rule_counts_the_parameters_that_differ():
     )
 
 
+def test_outer_optimizer_form_rule_shows_the_form_each_owner_takes():
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    check_outer_optimizer_form("ddp_adasum", functools.partial(torch.optim.SGD, lr=0.1), builder=True)
+    check_outer_optimizer_form("AdasumOptimizer", sgd, builder=False)
+    check_outer_optimizer_form("ddp_adasum", None, builder=True)
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_outer_optimizer_form("ddp_adasum", sgd, builder=True)
+    assert str(info.value) == (
+        "ddp_adasum's outer_optimizer builds the outer optimizer from an optimizer's parameters (one per "
+        "optimizer, at its first step): pass a callable such as functools.partial(torch.optim.SGD, lr=0.1, "
+        "momentum=0.9, nesterov=True), got SGD"
+    )
+    with pytest.raises(AdasumConfigurationError, match=r"got str$"):
+        check_outer_optimizer_form("ddp_adasum", "SGD", builder=True)
+    with pytest.raises(
+        AdasumConfigurationError, match=r"^AdasumOptimizer's outer_optimizer is an optimizer over"
+    ):
+        check_outer_optimizer_form(
+            "AdasumOptimizer", functools.partial(torch.optim.SGD, lr=0.1), builder=False
+        )
+
+
+def test_sync_every_accepts_any_integer_type():
+    import numpy as np
+
+    check_sync_every(np.int64(5), "adasum", "ddp_adasum")
+    assert DDPAdasumStrategy(sync_every=np.int64(5)).sync_every == 5
+
+
+def test_horovod_strategies_refuse_local_sgd_options_naming_ddp_adasum():
+    with pytest.raises(AdasumConfigurationError) as info:
+        HorovodAdasumStrategy(sync_every=4, combine="mean")
+    assert str(info.value) == (
+        "horovod_adasum has no combine, sync_every: Horovod's optimizer reduces inside every backward pass. "
+        "Local SGD / DiLoCo is ddp_adasum's: DDPAdasumStrategy(sync_every=..., combine=..., "
+        "outer_optimizer=...), launched by Lightning, torchrun or SLURM."
+    )
+    check_no_local_sgd(["lr_scaling"], "horovod")
+
+
 def test_strategies_refuse_local_sgd_settings_when_built():
     with pytest.raises(AdasumConfigurationError, match="sync_every is the number"):
         DDPAdasumStrategy(sync_every=0)
@@ -68,6 +116,9 @@ def test_strategies_refuse_local_sgd_settings_when_built():
     fabric = importlib.import_module(FABRIC)
     with pytest.raises(AdasumConfigurationError, match="combine is 'adasum'"):
         fabric.DDPAdasumStrategy(combine="median")
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(AdasumConfigurationError, match="pass a callable such as functools.partial"):
+        fabric.DDPAdasumStrategy(sync_every=4, outer_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 @pytest.fixture
@@ -102,6 +153,16 @@ def _train(optimizer_for, steps: int) -> tuple[torch.nn.Linear, object]:
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
+
+
+def test_adasum_optimizer_warns_that_adasum_of_windows_without_an_outer_optimizer_overshoots(
+    one_process_group,
+):
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(UserWarning) as warned:
+        AdasumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=10)
+    assert [str(w.message) for w in warned] == [local_sgd_without_outer_message("AdasumOptimizer", 10)]
+    assert "pass an outer optimizer with a small learning rate" in str(warned[0].message)
 
 
 def test_a_window_at_world_size_one_is_an_outer_step_on_the_summed_local_updates(one_process_group):

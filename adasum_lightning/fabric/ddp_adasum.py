@@ -12,6 +12,7 @@ import torch
 from lightning_fabric.accelerators import Accelerator
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning_fabric.strategies import DDPStrategy
+from lightning_fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -94,7 +95,8 @@ class DDPAdasumStrategy(DDPStrategy):
         )
         self._backward_sync_control = _LocalGradientsSyncControl()
         validation.check_sync_every(sync_every, combine, self.strategy_name)
-        self.sync_every = sync_every
+        validation.check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
+        self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
         self._periodic: dict[int, PeriodicSync] = {}  # per optimizer (by id), in the order of first steps
@@ -113,6 +115,8 @@ class DDPAdasumStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         check_launcher_world_size(self, api="Fabric")
         super().setup_environment()
+        if self.sync_every > 1 and self.combine == "adasum" and self.outer_optimizer is None:
+            rank_zero_warn(validation.local_sgd_without_outer_message(self.strategy_name, self.sync_every))
 
     @override
     def setup_module(self, module: Module) -> Module:

@@ -16,7 +16,7 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.model_helpers import is_overridden
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -113,9 +113,10 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         validation.check_sync_every(
             sync_every, combine, self.strategy_name, overlap_backward, outer_optimizer is not None
         )
+        validation.check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
         self.overlap_backward = overlap_backward
         self.bucket_cap_mb = bucket_cap_mb
-        self.sync_every = sync_every
+        self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
         # per optimizer (by id): its local-SGD windows; the checkpoint's states until they are built
@@ -134,6 +135,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
+        if self.sync_every > 1 and self.combine == "adasum" and self.outer_optimizer is None:
+            rank_zero_warn(validation.local_sgd_without_outer_message(self.strategy_name, self.sync_every))
         if self.overlap_backward and self.world_size > 1 and trainer.state.fn == TrainerFn.FITTING:
             # the worker thread's own process group (a collective: every rank builds it here)
             self._overlap_group = dist.new_group(
@@ -143,6 +146,12 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     @override
     def _describe_reduction(self) -> str:
         overlap = ", bucket by bucket during backward" if self.overlap_backward else ""
+        if self.sync_every > 1 or self.combine != "adasum" or self.outer_optimizer is not None:
+            outer = "an outer optimizer" if self.outer_optimizer is not None else "no outer optimizer"
+            return (
+                f"local SGD over {self.process_group_backend}: every {self.sync_every} steps the "
+                f"{self.combine} of the pseudo-gradients, {outer}"
+            )
         return f"Adasum of parameter deltas over {self.process_group_backend}{overlap}"
 
     # ------------------------------------------------------------------------------------------ step

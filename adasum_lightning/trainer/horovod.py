@@ -67,6 +67,7 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
         gradient_predivide_factor: float = 1.0,
         **kwargs: Any,
     ) -> None:
+        validation.check_no_local_sgd(kwargs, self.strategy_name)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -343,6 +343,39 @@ def test_the_benchmarks_simulator_equals_real_ranks(key, cases):
         assert torch.allclose(got, simulated, rtol=1e-5, atol=1e-6), (key, r, (got - simulated).abs().max())
 
 
+#: 4 plain ranks in the 4-rank torchrun launch of tests/test_fsdp_adasum.py (one launch for both files).
+LOCAL_SGD_FOUR = case(Launch("torchrun", 4, group="fsdp"), "forms-local-sgd-four-plain", "forms", "--form",
+                      "plain", *LOCAL_SGD_OPTIONS, "--outer-lr", "0.35")  # fmt: skip
+
+
+@pytest.mark.cases(LOCAL_SGD_FOUR)
+def test_the_benchmarks_simulator_equals_four_real_ranks(cases):
+    # 16 samples a rank, 8 steps; 2 rounds of 3 steps: Adasum of four pseudo-gradients, an outer Nesterov SGD
+    from benchmarks.local_sgd import simulate_diloco
+    from tests.workers.samples import tiny_net
+
+    ranks = cases[LOCAL_SGD_FOUR].ranks
+
+    def model_fn():
+        model = tiny_net()
+        model.load_state_dict(ranks[0]["start"])
+        return model
+
+    shards = [lambda step, b=batches: b[step] for batches in batches_of_every_rank(4)]
+    result = simulate_diloco(
+        model_fn, shards, sync_every=3, combine="adasum", rounds=2,
+        outer_optimizer_fn=functools.partial(torch.optim.SGD, lr=0.35, momentum=0.9, nesterov=True),
+        inner_optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    )  # fmt: skip
+    simulated = torch.cat([p.detach().reshape(-1) for p in result["model"].parameters()])
+    assert len(ranks) == 4
+    for r, res in enumerate(ranks):
+        assert len(res["trace"]) == 8
+        got = res["trace"][5]  # after step 6, the second sync
+        assert torch.allclose(got, simulated, rtol=1e-5, atol=1e-6), (r, (got - simulated).abs().max())
+        assert not torch.equal(res["trace"][6], ranks[(r + 1) % 4]["trace"][6])  # inside the next window
+
+
 SAVE_LOAD = form("forms-save-load", "fabric", 2, "--epochs", "1", "--save-load")
 
 

@@ -17,7 +17,7 @@ in float64 and rounded once to the tensor's dtype, like Horovod's ``ScaledAdd``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -38,6 +38,8 @@ DEVICE_CHUNK: int = 1 << 24
 #: Buckets with ``bytes × log2(P)`` up to this take the binomial tree instead of the vector halving: fewer
 #: round trips, whole buckets per level (docs/adasum_allreduce.md, "Tuning").
 TREE_MAX_BYTES: int = 8 << 20
+#: Bytes per message of a large point-to-point exchange on Gloo (docs/adasum_allreduce.md, "Tuning").
+GLOO_PIECE_BYTES: int = 4 << 20
 #: Tensor parts of fewer elements are batched with their neighbours into one chunk (``segment_reduce``).
 SMALL_TENSOR: int = 1 << 12
 
@@ -196,13 +198,15 @@ class _Comm:
     def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
         """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped.
 
-        At most one message per direction and pair is in flight (Gloo matches by peer and tag 0). Each handle
-        is waited once: a second ``wait()`` on a completed Gloo receive blocks for ever.
+        On Gloo a 1-D tensor is sent as pieces of :data:`GLOO_PIECE_BYTES`, tagged by their index (Gloo
+        matches by peer and tag; several pieces in flight keep the connection busy); one message otherwise.
+        Each handle is waited once: a second ``wait()`` on a completed Gloo receive blocks for ever.
         """
         ops = [
-            dist.P2POp(op, t, self.global_ranks[peer], self.group)
+            dist.P2POp(op, piece, self.global_ranks[peer], self.group, tag)
             for op, t in ((dist.isend, send), (dist.irecv, recv))
             if t is not None and t.numel() > 0
+            for tag, piece in enumerate(self._pieces(t))
         ]
         if ops:
             for work in dist.batch_isend_irecv(ops):
@@ -210,6 +214,33 @@ class _Comm:
                     work.wait()
                 else:
                     work.wait(self.timeout)
+
+    def start(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> _Exchange:
+        """Post :meth:`exchange`'s messages and return without waiting (a 1-D ``recv`` arrives piece by
+        piece: :meth:`_Exchange.wait_received`)."""
+        sends = self._pieces(send) if send is not None and send.numel() else []
+        recvs = self._pieces(recv) if recv is not None and recv.numel() else []
+        ops = [
+            *(
+                dist.P2POp(dist.isend, t, self.global_ranks[peer], self.group, tag)
+                for tag, t in enumerate(sends)
+            ),
+            *(
+                dist.P2POp(dist.irecv, t, self.global_ranks[peer], self.group, tag)
+                for tag, t in enumerate(recvs)
+            ),
+        ]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        ends, end = [], 0
+        for t in recvs:
+            end += t.numel()
+            ends.append(end)
+        return _Exchange(self.timeout, works[: len(sends)], works[len(sends) :], ends)
+
+    def _pieces(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if self.timeout is None or t.dim() != 1 or t.numel() * t.element_size() <= GLOO_PIECE_BYTES:
+            return [t]
+        return list(t.split(max(1, GLOO_PIECE_BYTES // t.element_size())))
 
     def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """Sum of ``values`` over the ``width`` (a power of 2) ranks ``q`` with ``q // width`` equal to ours.
@@ -225,6 +256,36 @@ class _Comm:
             values = values + theirs
             step <<= 1
         return values
+
+
+class _Exchange:
+    """The messages of one :meth:`_Comm.start`, waited for once each."""
+
+    def __init__(self, timeout: timedelta | None, sends: list, recvs: list, ends: list[int]) -> None:
+        self.timeout = timeout
+        self.sends = sends
+        self.recvs = recvs
+        self.ends = ends  # elements of the receive buffer complete once recvs[i] is done
+        self.received = 0  # recvs waited for
+
+    def _wait(self, work: dist.Work) -> None:
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
+
+    def wait_received(self, upto: int) -> None:
+        """Wait until the receive buffer holds its first ``upto`` elements."""
+        while self.received < len(self.recvs) and (self.received == 0 or self.ends[self.received - 1] < upto):
+            self._wait(self.recvs[self.received])
+            self.received += 1
+
+    def wait(self) -> None:
+        """Wait for every message."""
+        self.wait_received(self.ends[-1] if self.ends else 0)
+        for work in self.sends:
+            self._wait(work)
+        self.sends = []
 
 
 def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm) -> None:
@@ -327,18 +388,60 @@ def _halving_doubling(
         history.append((keep_lo, keep_n, give_lo, give_n))
         a = flat[keep_lo : keep_lo + keep_n]  # own data
         b = recv[:keep_n]  # the neighbour's data for the same elements
-        comm.exchange(peer, flat[give_lo : give_lo + give_n], b)
+        # The products of each chunk are taken as soon as its part of ``b`` has arrived.
+        incoming = comm.start(peer, flat[give_lo : give_lo + give_n], b)
         plan = _plan(_segment_counts(offsets, keep_lo, keep_n), chunk)
-        grams = _local_grams(a, b, plan, num)
+        grams = _local_grams(a, b, plan, num, ready=incoming.wait_received)
+        incoming.wait()
         # Horovod's layout: [dot, ‖lower half's data‖², ‖upper half's data‖²], summed over the 2·d ranks.
         stats = comm.group_sum(grams[:, [1, 0, 3] if left else [1, 3, 0]].contiguous(), 2 * d)
-        _scaled_add(a, b, plan, _coefficients(stats, left))
-        lo, n = keep_lo, keep_n
         d <<= 1
-    # Distance halving: swap the reduced segments back (history[i] is the level of distance 2**i).
-    for i in reversed(range(len(history))):
+        if d < p:
+            _scaled_add(a, b, plan, _coefficients(stats, left))
+        else:  # the last level: each combined piece of ``a`` leaves for the first swap back at once
+            back = _Outgoing(comm, rank ^ (d >> 1), a, flat[give_lo : give_lo + give_n])
+            _scaled_add(a, b, plan, _coefficients(stats, left), done=back.written)
+            back.wait()
+        lo, n = keep_lo, keep_n
+    # Distance halving: swap the reduced segments back (history[i] is the level of distance 2**i; the last
+    # level's swap is done above).
+    for i in reversed(range(len(history) - 1)):
         keep_lo, keep_n, give_lo, give_n = history[i]
         comm.exchange(rank ^ (1 << i), flat[keep_lo : keep_lo + keep_n], flat[give_lo : give_lo + give_n])
+
+
+class _Outgoing:
+    """The swap back of one halving level, sent piece by piece as ``send`` is written (on Gloo; whole
+    otherwise), the peer's segment received into ``recv``."""
+
+    def __init__(self, comm: _Comm, peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self.comm = comm
+        self.peer = comm.global_ranks[peer]
+        self.pieces = comm._pieces(send) if send.numel() else []
+        self.sent = 0  # pieces posted
+        self.end = 0  # elements of ``send`` they cover
+        self.works = (
+            []
+            if not recv.numel()
+            else [dist.irecv(t, self.peer, comm.group, tag) for tag, t in enumerate(comm._pieces(recv))]
+        )
+
+    def written(self, upto: int) -> None:
+        """``send``'s first ``upto`` elements are final: post the pieces they complete."""
+        while self.sent < len(self.pieces) and self.end + self.pieces[self.sent].numel() <= upto:
+            piece = self.pieces[self.sent]
+            self.works.append(dist.isend(piece, self.peer, self.comm.group, self.sent))
+            self.end += piece.numel()
+            self.sent += 1
+
+    def wait(self) -> None:
+        """Post what is left and wait for every message."""
+        self.written(self.end + sum(t.numel() for t in self.pieces[self.sent :]))
+        for work in self.works:
+            if self.comm.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.comm.timeout)
 
 
 def _segment_counts(offsets: list[int], lo: int, n: int) -> list[int]:
@@ -389,9 +492,11 @@ def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list
     return chunks
 
 
-def _local_grams(a: torch.Tensor, b: torch.Tensor, plan: list, num: int) -> torch.Tensor:
+def _local_grams(
+    a: torch.Tensor, b: torch.Tensor, plan: list, num: int, ready: Callable[[int], None] | None = None
+) -> torch.Tensor:
     """Per tensor, float64 ``[a·a, a·b, b·a, b·b]`` over the elements of ``a`` and ``b`` (same length, laid
-    out by ``plan``): shape ``(num, 4)``."""
+    out by ``plan``): shape ``(num, 4)``. ``ready(e)``, if given, is called before ``b[:e]`` is read."""
     device = a.device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
@@ -404,6 +509,8 @@ def _local_grams(a: torch.Tensor, b: torch.Tensor, plan: list, num: int) -> torc
     row = 0
     for s, e, ids, lengths in plan:
         m = work[:, : e - s]
+        if ready is not None:
+            ready(e)
         m[0].copy_(a[s:e])  # exact: every supported dtype converts to float64 without rounding
         m[1].copy_(b[s:e])
         if len(ids) == 1:
@@ -428,8 +535,15 @@ def _coefficients(stats: torch.Tensor, left: bool) -> torch.Tensor:
     return torch.stack([c_low, c_up] if left else [c_up, c_low], dim=1)
 
 
-def _scaled_add(a: torch.Tensor, b: torch.Tensor, plan: list, coeffs: torch.Tensor) -> None:
-    """``a := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``a.dtype``."""
+def _scaled_add(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: list,
+    coeffs: torch.Tensor,
+    done: Callable[[int], None] | None = None,
+) -> None:
+    """``a := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``a.dtype``;
+    ``done(e)``, if given, is called once ``a[:e]`` is written."""
     device = a.device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
@@ -445,3 +559,5 @@ def _scaled_add(a: torch.Tensor, b: torch.Tensor, plan: list, coeffs: torch.Tens
             ce = coeffs[ids].repeat_interleave(torch.tensor(lengths, device=device), dim=0, output_size=e - s)
             torch.sum(m.t() * ce, dim=1, out=y)
         a[s:e].copy_(y)
+        if done is not None:
+            done(e)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from adasum_lightning.allreduce import adasum_allreduce_flat
+from adasum_lightning.allreduce import adasum_allreduce_flat, workspace
 from adasum_lightning.step import adasum_step, world_size
 
 __all__ = ["COMBINES", "PERIODIC_SYNC_STATES", "PeriodicSync"]
@@ -38,8 +38,9 @@ class PeriodicSync:
 
     With ``sync_every=1``, ``combine="adasum"`` and no outer optimizer this is
     :func:`adasum_lightning.step.adasum_step`, the same parameters bitwise. Otherwise it keeps a copy of
-    θ_sync (one copy of ``params``) and, at a sync, one flat buffer of the pseudo-gradients per dtype and
-    device. Every rank must call :meth:`step` and :meth:`sync` at the same steps.
+    θ_sync (one copy of ``params``) and one flat buffer of the pseudo-gradients per dtype and device (a
+    kept workspace: a fresh one per sync would cost page faults on every sync). Every rank must call
+    :meth:`step` and :meth:`sync` at the same steps.
 
     Args:
         params: the parameters the local steps change (same shapes, dtypes and order on every rank).
@@ -100,10 +101,14 @@ class PeriodicSync:
             if p.numel():
                 buckets.setdefault((p.dtype, p.device), []).append(i)
         saved_grads = [p.grad for p in self.params]
-        for indices in buckets.values():
+        for (dtype, device), indices in buckets.items():
             params = [self.params[i] for i in indices]
             synced = [self._synced[i] for i in indices]
-            flat = torch.cat([(p.detach() - s).reshape(-1) for p, s in zip(params, synced, strict=True)])
+            flat = workspace(sum(p.numel() for p in params), dtype, device, slot="periodic-delta")
+            offset = 0
+            for p, s in zip(params, synced, strict=True):
+                torch.sub(p.detach().reshape(-1), s.reshape(-1), out=flat[offset : offset + p.numel()])
+                offset += p.numel()
             if size > 1 and self.combine == "adasum":
                 adasum_allreduce_flat(flat, [p.numel() for p in params], self.group, self.timeout)
             elif size > 1:

@@ -545,6 +545,15 @@ def write_report(directory: Path, quick: bool = False) -> Path:
         ]
     if loops:
         md += _loops_section(loops)
+    local_sgd_throughput = _load(directory, "local_sgd_throughput")
+    if local_sgd_throughput:
+        md += _local_sgd_throughput_section(local_sgd_throughput)
+    local_sgd = _load(directory, "local_sgd")
+    if local_sgd:
+        md += _local_sgd_section(local_sgd, fig_dir)
+    fsdp_memory = _load(directory, "fsdp_memory")
+    if fsdp_memory:
+        md += _fsdp_memory_section(fsdp_memory)
     path = out_md
     text = "\n".join(md) + "\n"
     notes = DOCS / "benchmarks_notes.md"
@@ -632,6 +641,141 @@ def _loops_section(loops: dict) -> list[str]:
             ),
             "",
         ]
+    return md
+
+
+def _spread(stat: dict, digits: int = 2) -> str:
+    return f"{stat['median']:.{digits}f} [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]"
+
+
+def _local_sgd_throughput_section(result: dict) -> list[str]:
+    """Part ``local_sgd_throughput``: the Trainer's ``ddp_adasum`` every step and with ``sync_every=10``
+    beside Lightning's ``ddp``: steps/s, the ratios per round, bytes handed to the reduction per sample."""
+    md = [
+        "## Local SGD: steps/s (part `local_sgd_throughput`)",
+        "",
+        '`Trainer(strategy="ddp")` (`trainer_ddp`), `Trainer(strategy="ddp_adasum")` every step '
+        "(`trainer_adasum`) and `DDPAdasumStrategy(sync_every=10)` (`trainer_adasum_sync10`: 10 local steps, "
+        "then the Adasum of the pseudo-gradients) on the MLP of the training loops (57 MB), Lightning's "
+        "launcher, Gloo, one thread per process (`benchmarks/loops.py`). Each round runs the three once; a "
+        "ratio is taken within a round: median [min, max] of the rounds. Bytes per sample: what each rank "
+        "hands to the reduction per training sample (`sync_every=10`: one pseudo-gradient per 10 steps).",
+        "",
+    ]
+    for row in result["summary"]:
+        md += [f"### {row['model'].upper()}, N = {row['np']}", ""]
+        impls = [k for k in row if isinstance(row[k], dict) and "steps_per_s" in row[k]]
+        md.append(
+            _table(
+                [
+                    "form",
+                    "steps/s (rounds)",
+                    "reduction ms/step (median)",
+                    "bytes per sample",
+                    "peak RSS (MiB)",
+                ],
+                [
+                    [
+                        impl,
+                        ", ".join(f"{v:.2f}" for v in row[impl]["steps_per_s"]),
+                        f"{row[impl]['reduction_ms_per_step_median']:.1f}",
+                        f"{row[impl].get('reduced_bytes_per_sample_median', 0):,.0f}",
+                        f"{row[impl]['peak_rss_mb_max']:.0f}",
+                    ]
+                    for impl in impls
+                ],
+            )
+        )
+        ratios = [k for k in row if "/" in k and isinstance(row[k], dict)]
+        md += [
+            "",
+            _table(["ratio", "median [min, max] of the rounds"], [[k, _spread(row[k], 3)] for k in ratios]),
+            "",
+        ]
+    return md
+
+
+def _local_sgd_section(result: dict, fig_dir: Path) -> list[str]:
+    """Part ``local_sgd``: the study's tables and figures (``benchmarks/local_sgd.py``; the reading of them
+    is docs/local_sgd.md)."""
+    from benchmarks.local_sgd import tables
+
+    cfg = result["config"]
+    figures = sorted(p.name for p in fig_dir.glob("local_sgd_*.png"))
+    md = [
+        "## Local SGD and DiLoCo: Adasum vs averaging of the pseudo-gradients (part `local_sgd`)",
+        "",
+        "N workers simulated in one process (checked equal to real ranks at N = 2 and 4), H inner steps per "
+        "outer round, each combination at its own best outer learning rate of a grid; per model (N, H, "
+        "inner optimizers, seeds): "
+        + "; ".join(
+            f"{m} ({cfg[m]['sizes']}, {cfg[m]['sync_every']}, {', '.join(cfg[m]['inners'])}, "
+            f"{len(cfg[m]['seeds'])} seeds)"
+            for m in cfg["models"]
+        )
+        + " (`benchmarks/local_sgd.py`). The method, the reading and what was shrunk: "
+        "[local_sgd.md](local_sgd.md).",
+        "",
+        *(line for name in figures for line in (f"![{name.removesuffix('.png')}]({name})", "")),
+        tables(result),
+        "",
+        "The aim (N = 16, H = 50: Adasum reaches averaging's final validation loss in ≤ 0.8 of its outer "
+        "rounds), per model, inner optimizer and method (fraction of rounds per seed; None: not reached):",
+        "",
+        _table(
+            ["model", "inner", "method", "fraction per seed", "held"],
+            [
+                [
+                    a["model"],
+                    a["inner"],
+                    a["method"],
+                    ", ".join("—" if f is None else f"{f:.2f}" for f in a["fraction_per_seed"]),
+                    a["held"],
+                ]
+                for a in result.get("aim", [])
+            ],
+        ),
+        "",
+    ]
+    return md
+
+
+def _fsdp_memory_section(result: dict) -> list[str]:
+    """Part ``fsdp_memory``: peak memory per rank and step time of ``fsdp_adasum`` beside Lightning's HSDP."""
+    md = [
+        "## `fsdp_adasum`: memory per rank (part `fsdp_memory`)",
+        "",
+        "`FSDPAdasumStrategy(shard_size=S)` beside Lightning's `ModelParallelStrategy` as HSDP (replicate × "
+        "shard, the gradients averaged) on the same mesh, the MLP of the training loops (57 MB), SGD with "
+        "momentum, Gloo, one thread per process (`benchmarks/fsdp_memory.py`). Peak RSS while training, the "
+        "largest rank's; median [min, max] of the rounds. More processes than cores: the step times measure "
+        "contention as much as the code.",
+        "",
+    ]
+    summary = result["summary"]
+    for row in summary if isinstance(summary, list) else [summary]:
+        over = " (oversubscribed)" if row.get("oversubscribed") else ""
+        md += [f"### N = {row['np']}, shard size {row['shard_size']}{over}", ""]
+        rows = [
+            [
+                impl,
+                _spread(row[impl]["training_peak_rss_mb_max_rank"], 0),
+                _spread(row[impl]["ms_per_step"], 0),
+            ]
+            for impl in ("fsdp_adasum", "hsdp")
+            if impl in row
+        ]
+        md.append(_table(["form", "training peak RSS (MiB)", "ms per step"], rows))
+        md += [
+            "",
+            f"- fsdp_adasum − HSDP, training peak: {_spread(row['training_peak_difference_mb'], 0)} MiB; one "
+            f"shard of the parameters: {row['parameter_shard_mb']:.1f} MiB; step time ratio "
+            f"{_spread(row['step_time_ratio'])}.",
+        ]
+        for key, value in row.items():
+            if key.startswith("step_buffers"):
+                md.append(f"- {key.replace('_', ' ')}: {value}")
+        md.append("")
     return md
 
 

@@ -211,6 +211,17 @@ def test_world_size_one_is_a_no_op(single_process_group):
     assert torch.equal(x, before[0]) and torch.equal(y, before[1])
 
 
+def test_gloo_sends_one_dimensional_buffers_in_pieces(single_process_group, monkeypatch):
+    monkeypatch.setattr(ar, "GLOO_PIECE_BYTES", 1024)
+    comm = ar._Comm(dist.group.WORLD, 0, 1)
+    flat = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: 256-element pieces, in order
+    pieces = comm._pieces(flat)
+    assert [p.numel() for p in pieces] == [256, 256, 256, 232]
+    assert torch.equal(torch.cat(pieces), flat) and pieces[1].data_ptr() == flat[256:].data_ptr()
+    assert comm._pieces(torch.zeros(2, 500))[0].shape == (2, 500)  # not 1-D: one message
+    assert len(comm._pieces(torch.zeros(256))) == 1
+
+
 def test_workspace_is_reused_and_released():
     buf = ar.workspace(100, torch.float32, torch.device("cpu"))
     assert ar.workspace(50, torch.float32, torch.device("cpu")).data_ptr() == buf.data_ptr()

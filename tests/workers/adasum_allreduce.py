@@ -72,13 +72,15 @@ def reduce(
     tensors: Sequence[torch.Tensor], path: str, group: dist.ProcessGroup | None = None
 ) -> list[torch.Tensor]:
     """``adasum_allreduce`` forced through the binomial tree or Horovod's vector halving, whatever the
-    bucket sizes."""
-    saved = ar.TREE_MAX_BYTES
+    bucket sizes, with Gloo messages of 64 KiB (the large tensors arrive and leave in many pieces, each
+    chunk's products taken as its pieces arrive)."""
+    saved = ar.TREE_MAX_BYTES, ar.GLOO_PIECE_BYTES
     ar.TREE_MAX_BYTES = {"tree": 1 << 62, "halving": 0}[path]
+    ar.GLOO_PIECE_BYTES = 1 << 16
     try:
         return adasum_allreduce(tensors, group=group)
     finally:
-        ar.TREE_MAX_BYTES = saved
+        ar.TREE_MAX_BYTES, ar.GLOO_PIECE_BYTES = saved
 
 
 def all_cases_call(rank: int, path: str, group: dist.ProcessGroup | None = None) -> dict:

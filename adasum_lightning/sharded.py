@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from adasum_lightning import validation
+from adasum_lightning import allreduce, validation
 from adasum_lightning.allreduce import (
     CPU_CHUNK,
     DEVICE_CHUNK,
@@ -491,14 +491,24 @@ def sharded_adasum_step(
 ) -> T:
     """Run ``local_step`` (this replica group's sharded optimizer step), then replace its update of ``params``
     by the Adasum of every replica group's update: ``θ := θ_before + Adasum(θ_after − θ_before)`` per whole
-    parameter (:func:`adasum_allreduce_sharded`).
+    parameter (:func:`adasum_allreduce_sharded`'s arithmetic, bitwise).
 
-    ``params`` are FSDP2's sharded parameters (``DTensor`` with ``Shard`` placements on ``mesh["shard"]``);
-    each rank copies its local shards (θ_before, one flat copy per dtype and device), runs ``local_step``,
-    writes the deltas into a second flat buffer, puts θ_before back into the local shards (``to_local()``, a
-    view of the parameter's storage), combines the deltas (the partner's shards received into the first
-    buffer: two shard-sized buffers in all, kept between steps) and adds the result. Every rank must call
-    this for the same parameters at the same step. One replica group: ``local_step()`` alone.
+    ``params`` are FSDP2's sharded parameters (``DTensor`` with ``Shard`` placements on ``mesh["shard"]``).
+    Each rank copies its local shards (``to_local()``, a view of the parameter's storage) into one flat buffer
+    per dtype and device (θ_before, kept between steps: **one shard of the parameters**, the only buffer of
+    their size that the step keeps), runs ``local_step``, turns each local shard into its own delta in place
+    (``θ_after − θ_before``), combines the deltas across the replica groups and adds θ_before back. The
+    partner group's deltas are received into the parameters' sharded gradients (``p.grad.to_local()``:
+    FSDP2's own shard-sized memory, consumed by the step); a parameter without a gradient of its local shard's
+    shape, dtype and device (``None``, frozen; another dtype; not contiguous) receives into a scratch buffer
+    sized for those parameters alone (kept too; none in the usual case). Besides, the float64 statistics and
+    combination work in chunks (:data:`~adasum_lightning.allreduce.CPU_CHUNK` /
+    :data:`~adasum_lightning.allreduce.DEVICE_CHUNK` elements at most, independent of the model's size).
+
+    **After the step the gradients of ``params`` are ``None``** (as after ``optimizer.zero_grad(
+    set_to_none=True)``): they served as the receive buffer, so their values are gone; an optimizer must not
+    keep the gradient tensors themselves in its state. With one replica group: ``local_step()`` alone, the
+    gradients untouched. Every rank must call this for the same parameters at the same step.
 
     Raises:
         AdasumConfigurationError: a parameter is not sharded over ``shard_group`` (see :func:`local_shards`).
@@ -511,33 +521,42 @@ def sharded_adasum_step(
     shards = local_shards(params, shard_group)
     for i, t in enumerate(shards):
         _check_tensor(t, i)
-    buckets = _buckets(shards)
     befores = {}
     with torch.no_grad():
-        for key, bucket in buckets.items():
-            before = workspace(sum(t.numel() for t in bucket), *key, slot="sharded-before")
+        for key, bucket in _buckets(shards).items():
+            before = workspace(sum(t.numel() for t in bucket), *key, slot=_STEP_SLOTS[0])
             torch.cat([t.reshape(-1) for t in bucket], out=before)
             befores[key] = before
     output = local_step()
     with torch.no_grad():
-        after = _buckets(local_shards(params, shard_group))  # the same views, looked up again after the step
-        for key, bucket in after.items():
-            before, counts = befores[key], [t.numel() for t in bucket]
-            delta = workspace(before.numel(), *key, slot="sharded-delta")
-            offset = 0
-            for t, n in zip(bucket, counts, strict=True):
-                torch.sub(t.reshape(-1), before[offset : offset + n], out=delta[offset : offset + n])
-                offset += n
-            offset = 0
-            for t, n in zip(bucket, counts, strict=True):  # θ_before back in place: its buffer is free
-                t.copy_(before[offset : offset + n].view(t.shape))
-                offset += n
-            _reduce_sharded(delta, counts, replicate_group, shard_group, timeout, recv=before)
-            offset = 0
-            for t, n in zip(bucket, counts, strict=True):
-                t.add_(delta[offset : offset + n].view(t.shape))  # θ_before + combined, as adasum_step
-                offset += n
+        shards = local_shards(params, shard_group)  # the same views, looked up again after the step
+        receive = _gradient_buffers(params, shards)
+        by_key: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, t in enumerate(shards):
+            by_key.setdefault((t.dtype, t.device), []).append(i)
+        for key, ids in by_key.items():
+            bucket, grads = [shards[i] for i in ids], [receive[i] for i in ids]
+            _step_bucket(bucket, grads, befores[key], replicate_group, shard_group, timeout)
+        for p in params:
+            p.grad = None  # the partner's deltas are in them now: released, as zero_grad(set_to_none=True)
     return output
+
+
+#: The workspace slots (:func:`adasum_lightning.allreduce.workspace`) that :func:`sharded_adasum_step` keeps
+#: between steps: θ_before (one shard of the parameters), and the scratch for the parameters whose gradients
+#: cannot receive the partner's deltas (empty when every parameter has one).
+_STEP_SLOTS: tuple[str, ...] = ("sharded-before", "sharded-scratch")
+
+
+def _step_buffer_bytes() -> int:
+    """The bytes of the buffers :func:`sharded_adasum_step` keeps for this thread between steps (the
+    workspace slots :data:`_STEP_SLOTS`, every dtype and device): one shard of the stepped parameters when
+    every parameter has a gradient at the step, more for those without. The float64 chunk scratch of the
+    statistics (slots ``work64``, ``out64``, shared with the other reductions) is not counted."""
+    kept = allreduce._workspace.__dict__
+    return sum(
+        buf.numel() * buf.element_size() for key, buf in kept.items() if key.split("|")[0] in _STEP_SLOTS
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -604,3 +623,236 @@ def _combine(
     _scaled_add(low, up, plan, _coefficients(stats, left=True))  # low := c_low·low + c_up·up
     if not own_is_low:
         own.copy_(theirs)
+
+
+def _gradient_buffers(
+    params: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """Per parameter, its sharded gradient's local tensor where it can receive the partner's deltas in place
+    of the local shard: contiguous, of the shard's shape, dtype and device, and not aliasing another one
+    (tied parameters listed twice); else None (the scratch buffer receives them)."""
+    out: list[torch.Tensor | None] = []
+    seen: set[int] = set()
+    for p, t in zip(params, shards, strict=True):
+        g = p.grad
+        if isinstance(g, DTensor):
+            g = g.to_local()
+        usable = (
+            g is not None
+            and g.shape == t.shape
+            and g.dtype == t.dtype
+            and g.device == t.device
+            and g.is_contiguous()
+            and (t.numel() == 0 or (g.data_ptr() not in seen and g.data_ptr() != t.data_ptr()))
+        )
+        if usable:
+            seen.add(g.data_ptr())
+        out.append(g.detach() if usable else None)
+    return out
+
+
+def _step_bucket(
+    shards: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    before: torch.Tensor,
+    replicate_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    timeout: timedelta | None,
+) -> None:
+    """One dtype and device of :func:`sharded_adasum_step` after the local step: each local shard becomes
+    its delta ``θ_after − θ_before`` in place (``before``: the flat θ_before), the deltas are combined across
+    the replica groups (the partner's received into ``grads``, or the scratch slot where None; a shard that
+    is not contiguous works in the scratch slot too), and θ_before is added back."""
+    counts = [t.numel() for t in shards]
+    scratch_numel = sum(
+        n * ((not t.is_contiguous()) + (g is None)) for t, g, n in zip(shards, grads, counts, strict=True)
+    )
+    scratch = before[:0]
+    if scratch_numel:
+        scratch = workspace(scratch_numel, before.dtype, before.device, slot=_STEP_SLOTS[1])
+    own: list[torch.Tensor] = []
+    recv: list[torch.Tensor] = []
+    offset = used = 0
+    for t, g, n in zip(shards, grads, counts, strict=True):
+        b = before[offset : offset + n].view(t.shape)
+        offset += n
+        if t.is_contiguous():
+            own.append(t.sub_(b).view(-1))
+        else:
+            own.append(torch.sub(t, b, out=scratch[used : used + n].view(t.shape)).view(-1))
+            used += n
+        if g is not None:
+            recv.append(g.view(-1))
+        else:
+            recv.append(scratch[used : used + n])
+            used += n
+    _reduce_lists(own, recv, counts, before.device, replicate_group, shard_group, timeout)
+    offset = 0
+    for t, o, n in zip(shards, own, counts, strict=True):
+        if not t.is_contiguous():  # its delta was combined in the scratch slot
+            t.copy_(o.view(t.shape))
+        t.add_(before[offset : offset + n].view(t.shape))  # θ_before + combined, as adasum_step
+        offset += n
+
+
+def _exchange_lists(
+    comm: _Comm, peer: int, send: Sequence[torch.Tensor] | None, recv: Sequence[torch.Tensor] | None
+) -> None:
+    """:meth:`_Comm.exchange` of lists: every non-empty tensor of ``send`` to group rank ``peer`` and of
+    ``recv`` from it, in one ``batch_isend_irecv`` (one ``P2POp`` per tensor; the peer lists tensors of the
+    same sizes in the same order, which is how ``torch.distributed`` matches the messages of one pair)."""
+    ops = [
+        dist.P2POp(op, t, comm.global_ranks[peer], comm.group)
+        for op, tensors in ((dist.isend, send), (dist.irecv, recv))
+        for t in tensors or ()
+        if t.numel() > 0
+    ]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            if comm.timeout is None:
+                work.wait()
+            else:
+                work.wait(comm.timeout)
+
+
+def _reduce_lists(
+    own: list[torch.Tensor],
+    recv: list[torch.Tensor],
+    counts: list[int],
+    device: torch.device,
+    replicate_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    timeout: timedelta | None,
+) -> None:
+    """:func:`_reduce_sharded` on per-tensor 1-D buffers: ``own`` (the local shards' deltas, reduced in
+    place) and ``recv`` (of the same sizes, for the partner's), the same pairs, levels and arithmetic."""
+    size = dist.get_world_size(replicate_group)
+    comm = _Comm(replicate_group, dist.get_rank(replicate_group), size, timeout)
+    q, size = comm.rank, comm.size
+    p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
+    if q >= p:  # folded into q - p; the result comes back at the end
+        _exchange_lists(comm, q - p, own, None)
+        _exchange_lists(comm, q - p, None, own)
+        return
+    plan = _plan(counts, CPU_CHUNK if device.type == "cpu" else DEVICE_CHUNK)
+    pieces = _plan_pieces(plan, counts)
+    if q + p < size:
+        _exchange_lists(comm, q + p, None, recv)
+        _combine_lists(own, recv, True, plan, pieces, device, shard_group)
+    d = 1
+    while d < p:
+        _exchange_lists(comm, q ^ d, own, recv)
+        _combine_lists(own, recv, q < q ^ d, plan, pieces, device, shard_group)
+        d <<= 1
+    if q + p < size:
+        _exchange_lists(comm, q + p, own, None)
+
+
+def _plan_pieces(plan: list, counts: list[int]) -> list[list[tuple[int, int, int, int]]]:
+    """Per chunk of ``plan`` (:func:`~adasum_lightning.allreduce._plan` over the tensors laid back to back),
+    its parts as ``(tensor index, start in the tensor, start in the chunk, length)``."""
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    out = []
+    for s, _, ids, lengths in plan:
+        parts, at = [], s
+        for i, n in zip(ids, lengths, strict=True):
+            parts.append((i, at - offsets[i], at - s, n))
+            at += n
+        out.append(parts)
+    return out
+
+
+def _combine_lists(
+    own: list[torch.Tensor],
+    theirs: list[torch.Tensor],
+    own_is_low: bool,
+    plan: list,
+    pieces: list[list[tuple[int, int, int, int]]],
+    device: torch.device,
+    shard_group: dist.ProcessGroup,
+) -> None:
+    """:func:`_combine` on per-tensor buffers: ``own := adasum(low, up)`` per whole tensor, bitwise the same
+    (each chunk's float64 work rows hold the same values as the flat buffer's chunk would)."""
+    low, up = (own, theirs) if own_is_low else (theirs, own)
+    grams = _grams_lists(low, up, plan, pieces, len(own), device)
+    stats = grams[:, [1, 0, 3]].contiguous()
+    if world_size(shard_group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard_group)
+    _scaled_add_lists(low, up, own, plan, pieces, _coefficients(stats, left=True), device)
+
+
+def _fill_rows(
+    m: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], parts: list[tuple[int, int, int, int]]
+) -> None:
+    """``m[0]``, ``m[1]`` := one chunk of ``a``, ``b`` (exact: every supported dtype converts to float64)."""
+    if len(parts) == 1:
+        i, at, _, n = parts[0]
+        m[0].copy_(a[i][at : at + n])
+        m[1].copy_(b[i][at : at + n])
+        return
+    for i, at, o, n in parts:
+        m[0, o : o + n].copy_(a[i][at : at + n])
+        m[1, o : o + n].copy_(b[i][at : at + n])
+
+
+def _grams_lists(
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    plan: list,
+    pieces: list[list[tuple[int, int, int, int]]],
+    num: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """:func:`~adasum_lightning.allreduce._local_grams` of per-tensor buffers: per tensor, float64
+    ``[a·a, a·b, b·a, b·b]``, shape ``(num, 4)``; the same chunks, rows and reductions."""
+    cmax = max((e - s for s, e, _, _ in plan), default=0)
+    work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
+    rows_per_tensor = [0] * num
+    for _, _, ids, _ in plan:
+        for i in ids:
+            rows_per_tensor[i] += 1
+    grams = torch.empty(sum(rows_per_tensor), 4, dtype=torch.float64, device=device)
+    row = 0
+    for (s, e, ids, lengths), parts in zip(plan, pieces, strict=True):
+        m = work[:, : e - s]
+        _fill_rows(m, a, b, parts)
+        if len(ids) == 1:
+            torch.mm(m, m.t(), out=grams[row].view(2, 2))
+            row += 1
+        else:
+            mt = m.t()
+            prods = (mt.unsqueeze(2) * mt.unsqueeze(1)).view(e - s, 4)
+            lens = torch.tensor(lengths, device=device)
+            grams[row : row + len(ids)] = torch.segment_reduce(prods, "sum", lengths=lens, axis=0)
+            row += len(ids)
+    return torch.segment_reduce(grams, "sum", lengths=torch.tensor(rows_per_tensor, device=device), axis=0)
+
+
+def _scaled_add_lists(
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    out: list[torch.Tensor],
+    plan: list,
+    pieces: list[list[tuple[int, int, int, int]]],
+    coeffs: torch.Tensor,
+    device: torch.device,
+) -> None:
+    """:func:`~adasum_lightning.allreduce._scaled_add` of per-tensor buffers: ``out := coeffs[i, 0]·a +
+    coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to the dtype (``out`` may be ``a`` or ``b``:
+    each chunk is read into the float64 rows before it is written)."""
+    cmax = max((e - s for s, e, _, _ in plan), default=0)
+    work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
+    y64 = workspace(cmax, torch.float64, device, slot="out64")
+    for (s, e, ids, lengths), parts in zip(plan, pieces, strict=True):
+        m = work[:, : e - s]
+        _fill_rows(m, a, b, parts)
+        y = y64[: e - s]
+        if len(ids) == 1:
+            torch.mv(m.t(), coeffs[ids[0]], out=y)
+        else:
+            ce = coeffs[ids].repeat_interleave(torch.tensor(lengths, device=device), dim=0, output_size=e - s)
+            torch.sum(m.t() * ce, dim=1, out=y)
+        for i, at, o, n in parts:
+            out[i][at : at + n].copy_(y[o : o + n])

@@ -14,7 +14,10 @@ lr 0.01 momentum 0.9, synthetic MNIST-shaped data in memory (batch 64 per rank, 
 intra-op thread per process, Gloo. Each rank records its peak resident memory twice: the whole process's
 (``ru_maxrss``, which includes building the unsharded model) and the peak while training (Linux's
 ``VmHWM`` after resetting it through ``/proc/self/clear_refs`` when training starts, the model sharded and
-the optimizer built); rank 0 times the steps from ``--skip`` on.
+the optimizer built); rank 0 times the steps from ``--skip`` on. Deterministic beside these, at the end of
+training: the bytes of this rank's shards of the parameters, and (``fsdp_adasum``) the bytes of the buffers
+the Adasum step keeps between steps (``adasum_lightning.sharded``'s workspace slots) and of the float64
+chunk scratch of its statistics (slots ``work64``, ``out64``, bounded by the chunk size, not the model).
 
 usage: python -m benchmarks.fsdp_memory OUT.json --impl fsdp_adasum|hsdp --devices N --shard-size S
 """
@@ -54,6 +57,31 @@ def reset_peak() -> bool:
     except OSError:
         return False
     return True
+
+
+def kept_buffers(module: nn.Module) -> dict[str, int]:
+    """This rank's bytes of the parameters' local shards (``to_local()`` of FSDP2's ``DTensor``), and of the
+    buffers the Adasum step keeps for this thread: its own slots (θ_before, the scratch for parameters
+    without a gradient) and the float64 chunk scratch."""
+    from torch.distributed.tensor import DTensor
+
+    from adasum_lightning import allreduce
+    from adasum_lightning.sharded import _step_buffer_bytes
+
+    shard = sum(
+        (q.to_local() if isinstance(q, DTensor) else q).numel() * q.element_size()
+        for q in module.parameters()
+    )
+    scratch = sum(
+        buf.numel() * buf.element_size()
+        for key, buf in allreduce._workspace.__dict__.items()
+        if key.split("|")[0] in ("work64", "out64")
+    )
+    return {
+        "parameter_shard_bytes": shard,
+        "step_buffer_bytes": _step_buffer_bytes(),
+        "float64_scratch_bytes": scratch,
+    }
 
 
 def rank_data(steps: int, rank: int) -> TensorDataset:
@@ -110,6 +138,9 @@ def run(impl: str, devices: int, shard_size: int, steps: int, skip: int) -> dict
             if batch_idx >= skip:
                 clock["end"], clock["steps"] = time.perf_counter(), clock["steps"] + 1
 
+        def on_train_end(self, trainer, pl_module):  # before the strategy's teardown frees the buffers
+            memory.update(kept_buffers(pl_module))
+
     if impl == "fsdp_adasum":
         strategy = FSDPAdasumStrategy(shard_size=shard_size)
     else:
@@ -159,6 +190,12 @@ def main() -> None:
             "process_peak_rss_mb_per_rank": [r["process_peak_kb"] / 1024 for r in per_rank],
             "rss_at_train_start_mb_per_rank": [r["rss_at_train_start_kb"] / 1024 for r in per_rank],
             "peak_reset": all(r["peak_reset"] for r in per_rank),
+            "parameter_shard_bytes_per_rank": [r["parameter_shard_bytes"] for r in per_rank],
+            "step_buffer_bytes_per_rank": [r["step_buffer_bytes"] for r in per_rank],
+            "step_buffer_shards_per_rank": [
+                r["step_buffer_bytes"] / r["parameter_shard_bytes"] for r in per_rank
+            ],
+            "float64_scratch_bytes_per_rank": [r["float64_scratch_bytes"] for r in per_rank],
             "batch_size": BATCH,
         }
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -141,6 +141,9 @@ def test_sharded_training_equals_the_unsharded_algorithm(groups, shard_size, cas
         assert all(torch.equal(res["start"][k], v) for k, v in seeded.items()), r
         assert res["batches"] != ranks[(r + 1) % world]["batches"], r
         assert res["warned"] == [], r
+        # the step keeps one shard of the parameters (θ_before); the partner's deltas went into the gradients
+        assert res["step_buffer_bytes"] == res["shard_bytes"] > 0, (r, res["step_buffer_bytes"])
+        assert res["released"] == [groups > 1] * len(res["batches"]), r
         difference = max_difference(res["end"], expected)
         assert difference <= ATOL, (r, difference)
         assert max_difference(res["end"], reference(ranks, shard_size, mean)) > 1e-4  # Adasum, not the mean

@@ -9,7 +9,9 @@ usage: torchrun --nproc-per-node N -m tests.workers.fsdp OUT {train,allreduce,re
   ``(t·N + r)·4 … +3`` of ``IndexedData(64)`` (another batch on every rank). Saves the full parameters at the
   start and the end, the local shards of the parameters and of the momentum, the batches and the
   AdasumOptimizer warnings (``--same-data-per-group``: every group reads group 0's batches; ``--bf16``:
-  ``fully_shard(..., mp_policy=MixedPrecisionPolicy(bfloat16, float32))``). With S = 1 the
+  ``fully_shard(..., mp_policy=MixedPrecisionPolicy(bfloat16, float32))``), the bytes of the buffers the
+  Adasum step keeps beside those of this rank's shards of the parameters, and whether the sharded gradients
+  were released (None) after each step (they receive the partner's deltas). With S = 1 the
   same training also runs unsharded with ``AdasumOptimizer`` (no mesh), saved as ``plain_end``.
 - ``allreduce``: ``adasum_allreduce_sharded`` of a float32 (5, 3), a float32 (1, 3) (an empty shard beyond
   the first rank) and a float64 (7,) tensor, whole tensors drawn per replica group (seed 10 + group) and cut
@@ -29,7 +31,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from adasum_lightning import AdasumOptimizer
-from adasum_lightning.sharded import adasum_allreduce_sharded, replica_groups
+from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.sharded import _step_buffer_bytes, adasum_allreduce_sharded, replica_groups
 from adasum_lightning.validation import AdasumConfigurationError
 from tests.workers import cases
 from tests.workers.samples import IndexedData, tiny_net
@@ -88,7 +91,7 @@ def batch_indices(step: int) -> list[int]:
     return [(first + i) % 64 for i in range(BATCH)]
 
 
-def train(net, optimizer) -> list[list[int]]:
+def train(net, optimizer, released: list[bool] | None = None) -> list[list[int]]:
     data = IndexedData(64)
     batches = []
     for step in range(args.steps):
@@ -97,6 +100,8 @@ def train(net, optimizer) -> list[list[int]]:
         loss = F.cross_entropy(net(data.x[idx]).float(), data.y[idx])
         loss.backward()
         optimizer.step()
+        if released is not None:
+            released.append(all(q.grad is None for q in net.parameters()))
         optimizer.zero_grad()
     return batches
 
@@ -110,9 +115,11 @@ def run_train() -> dict:
                 q.to_local().add_(1.0)
     optimizer = AdasumOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM), mesh=mesh)
     start = full(net, mesh)
+    release_workspace()  # an earlier case's buffers of this process: count this training's alone
+    released: list[bool] = []
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        batches = train(net, optimizer)
+        batches = train(net, optimizer, released)
     names = [k for k, _ in net.named_parameters()]
     result = {
         "start": start,
@@ -125,6 +132,9 @@ def run_train() -> dict:
         "batches": batches,
         "mesh": mesh.mesh.tolist(),
         "warned": [str(w.message) for w in warned if str(w.message).startswith("AdasumOptimizer")],
+        "step_buffer_bytes": _step_buffer_bytes(),
+        "shard_bytes": sum(q.to_local().numel() * q.element_size() for q in net.parameters()),
+        "released": released,
     }
     if S == 1:  # the same training unsharded, every rank a replica: AdasumOptimizer without a mesh
         torch.manual_seed(100)

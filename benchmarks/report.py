@@ -773,8 +773,9 @@ def _fsdp_memory_section(result: dict) -> list[str]:
             f"{_spread(row['step_time_ratio'])}.",
         ]
         for key, value in row.items():
-            if key.startswith("step_buffers"):
-                md.append(f"- {key.replace('_', ' ')}: {value}")
+            if key.startswith(("step_buffer", "float64_scratch")):
+                shown = f"{value:.1f}" if isinstance(value, float) else value
+                md.append(f"- {key.replace('_', ' ').replace(' mb ', ' (MiB) ')}: {shown}")
         md.append("")
     return md
 

@@ -363,8 +363,9 @@ def _local_pair(low: torch.Tensor, high: torch.Tensor, offsets: list[int]) -> No
     """``low := adasum(low, high)`` per tensor (boundaries ``offsets``), on whole tensors, in this rank."""
     counts = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
     plan = _plan(counts, CPU_CHUNK if low.device.type == "cpu" else DEVICE_CHUNK)
-    grams = _local_grams(low, high, plan, len(counts))
-    _scaled_add(low, high, plan, _coefficients(grams[:, [1, 0, 3]], left=True))
+    pieces = _flat_pieces(plan)
+    grams = _local_grams([low], [high], plan, pieces, len(counts))
+    _scaled_add([low], [high], [low], plan, pieces, _coefficients(grams[:, [1, 0, 3]], left=True))
 
 
 def _halving_doubling(
@@ -391,16 +392,17 @@ def _halving_doubling(
         # The products of each chunk are taken as soon as its part of ``b`` has arrived.
         incoming = comm.start(peer, flat[give_lo : give_lo + give_n], b)
         plan = _plan(_segment_counts(offsets, keep_lo, keep_n), chunk)
-        grams = _local_grams(a, b, plan, num, ready=incoming.wait_received)
+        pieces = _flat_pieces(plan)
+        grams = _local_grams([a], [b], plan, pieces, num, ready=incoming.wait_received)
         incoming.wait()
         # Horovod's layout: [dot, ‖lower half's data‖², ‖upper half's data‖²], summed over the 2·d ranks.
         stats = comm.group_sum(grams[:, [1, 0, 3] if left else [1, 3, 0]].contiguous(), 2 * d)
         d <<= 1
         if d < p:
-            _scaled_add(a, b, plan, _coefficients(stats, left))
+            _scaled_add([a], [b], [a], plan, pieces, _coefficients(stats, left))
         else:  # the last level: each combined piece of ``a`` leaves for the first swap back at once
             back = _Outgoing(comm, rank ^ (d >> 1), a, flat[give_lo : give_lo + give_n])
-            _scaled_add(a, b, plan, _coefficients(stats, left), done=back.written)
+            _scaled_add([a], [b], [a], plan, pieces, _coefficients(stats, left), done=back.written)
             back.wait()
         lo, n = keep_lo, keep_n
     # Distance halving: swap the reduced segments back (history[i] is the level of distance 2**i; the last
@@ -492,12 +494,41 @@ def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list
     return chunks
 
 
+#: Per chunk of a plan, its parts as ``(tensor index, start in the tensor, start in the chunk, length)``.
+Pieces = list[list[tuple[int, int, int, int]]]
+
+
+def _flat_pieces(plan: list) -> Pieces:
+    """The pieces of ``plan`` over one flat buffer (tensor index 0): each chunk is one part."""
+    return [[(0, s, 0, e - s)] for s, e, _, _ in plan]
+
+
+def _fill_rows(
+    m: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], parts: list[tuple[int, int, int, int]]
+) -> None:
+    """``m[0]``, ``m[1]`` := one chunk of ``a``, ``b`` (exact: every supported dtype converts to float64)."""
+    if len(parts) == 1:
+        i, at, _, n = parts[0]
+        m[0].copy_(a[i][at : at + n])
+        m[1].copy_(b[i][at : at + n])
+        return
+    for i, at, o, n in parts:
+        m[0, o : o + n].copy_(a[i][at : at + n])
+        m[1, o : o + n].copy_(b[i][at : at + n])
+
+
 def _local_grams(
-    a: torch.Tensor, b: torch.Tensor, plan: list, num: int, ready: Callable[[int], None] | None = None
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    plan: list,
+    pieces: Pieces,
+    num: int,
+    ready: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """Per tensor, float64 ``[a·a, a·b, b·a, b·b]`` over the elements of ``a`` and ``b`` (same length, laid
-    out by ``plan``): shape ``(num, 4)``. ``ready(e)``, if given, is called before ``b[:e]`` is read."""
-    device = a.device
+    """Per tensor, float64 ``[a·a, a·b, b·a, b·b]`` over the elements of ``a`` and ``b`` (buffers of the same
+    sizes, laid out by ``plan`` and ``pieces``): shape ``(num, 4)``. ``ready(e)``, if given, is called before
+    the chunk ending at plan offset ``e`` is read."""
+    device = a[0].device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
     # One row per (chunk, tensor in it): the Gram matrix of (own, received), row-major.
@@ -507,12 +538,11 @@ def _local_grams(
             rows_per_tensor[i] += 1
     grams = torch.empty(sum(rows_per_tensor), 4, dtype=torch.float64, device=device)
     row = 0
-    for s, e, ids, lengths in plan:
+    for (s, e, ids, lengths), parts in zip(plan, pieces, strict=True):
         m = work[:, : e - s]
         if ready is not None:
             ready(e)
-        m[0].copy_(a[s:e])  # exact: every supported dtype converts to float64 without rounding
-        m[1].copy_(b[s:e])
+        _fill_rows(m, a, b, parts)
         if len(ids) == 1:
             torch.mm(m, m.t(), out=grams[row].view(2, 2))
             row += 1
@@ -536,28 +566,31 @@ def _coefficients(stats: torch.Tensor, left: bool) -> torch.Tensor:
 
 
 def _scaled_add(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    out: list[torch.Tensor],
     plan: list,
+    pieces: Pieces,
     coeffs: torch.Tensor,
     done: Callable[[int], None] | None = None,
 ) -> None:
-    """``a := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to ``a.dtype``;
-    ``done(e)``, if given, is called once ``a[:e]`` is written."""
-    device = a.device
+    """``out := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to the dtype
+    (``out`` may be ``a`` or ``b``: each chunk is read into the float64 rows before it is written);
+    ``done(e)``, if given, is called once the chunk ending at plan offset ``e`` is written."""
+    device = a[0].device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
     y64 = workspace(cmax, torch.float64, device, slot="out64")
-    for s, e, ids, lengths in plan:
+    for (s, e, ids, lengths), parts in zip(plan, pieces, strict=True):
         m = work[:, : e - s]
-        m[0].copy_(a[s:e])
-        m[1].copy_(b[s:e])
+        _fill_rows(m, a, b, parts)
         y = y64[: e - s]
         if len(ids) == 1:
             torch.mv(m.t(), coeffs[ids[0]], out=y)
         else:
             ce = coeffs[ids].repeat_interleave(torch.tensor(lengths, device=device), dim=0, output_size=e - s)
             torch.sum(m.t() * ce, dim=1, out=y)
-        a[s:e].copy_(y)
+        for i, at, o, n in parts:
+            out[i][at : at + n].copy_(y[o : o + n])
         if done is not None:
             done(e)

@@ -40,9 +40,11 @@ from adasum_lightning import allreduce, validation
 from adasum_lightning.allreduce import (
     CPU_CHUNK,
     DEVICE_CHUNK,
+    Pieces,
     _check_tensor,
     _coefficients,
     _Comm,
+    _flat_pieces,
     _local_grams,
     _plan,
     _scaled_add,
@@ -616,11 +618,12 @@ def _combine(
     ``[low·up, ‖low‖², ‖up‖²]`` of the local shards summed over ``shard_group``, Horovod's coefficients
     (``adasum.h``), the combination in float64 — the same operations in the same order on both partners."""
     low, up = (own, theirs) if own_is_low else (theirs, own)
-    grams = _local_grams(low, up, plan, num)  # per tensor [low·low, low·up, up·low, up·up]
+    pieces = _flat_pieces(plan)
+    grams = _local_grams([low], [up], plan, pieces, num)  # per tensor [low·low, low·up, up·low, up·up]
     stats = grams[:, [1, 0, 3]].contiguous()
     if world_size(shard_group) > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard_group)
-    _scaled_add(low, up, plan, _coefficients(stats, left=True))  # low := c_low·low + c_up·up
+    _scaled_add([low], [up], [low], plan, pieces, _coefficients(stats, left=True))  # c_low·low + c_up·up
     if not own_is_low:
         own.copy_(theirs)
 
@@ -738,17 +741,17 @@ def _reduce_lists(
     pieces = _plan_pieces(plan, counts)
     if q + p < size:
         _exchange_lists(comm, q + p, None, recv)
-        _combine_lists(own, recv, True, plan, pieces, device, shard_group)
+        _combine_lists(own, recv, True, plan, pieces, shard_group)
     d = 1
     while d < p:
         _exchange_lists(comm, q ^ d, own, recv)
-        _combine_lists(own, recv, q < q ^ d, plan, pieces, device, shard_group)
+        _combine_lists(own, recv, q < q ^ d, plan, pieces, shard_group)
         d <<= 1
     if q + p < size:
         _exchange_lists(comm, q + p, own, None)
 
 
-def _plan_pieces(plan: list, counts: list[int]) -> list[list[tuple[int, int, int, int]]]:
+def _plan_pieces(plan: list, counts: list[int]) -> Pieces:
     """Per chunk of ``plan`` (:func:`~adasum_lightning.allreduce._plan` over the tensors laid back to back),
     its parts as ``(tensor index, start in the tensor, start in the chunk, length)``."""
     offsets = [0]
@@ -769,90 +772,14 @@ def _combine_lists(
     theirs: list[torch.Tensor],
     own_is_low: bool,
     plan: list,
-    pieces: list[list[tuple[int, int, int, int]]],
-    device: torch.device,
+    pieces: Pieces,
     shard_group: dist.ProcessGroup,
 ) -> None:
     """:func:`_combine` on per-tensor buffers: ``own := adasum(low, up)`` per whole tensor, bitwise the same
     (each chunk's float64 work rows hold the same values as the flat buffer's chunk would)."""
     low, up = (own, theirs) if own_is_low else (theirs, own)
-    grams = _grams_lists(low, up, plan, pieces, len(own), device)
+    grams = _local_grams(low, up, plan, pieces, len(own))
     stats = grams[:, [1, 0, 3]].contiguous()
     if world_size(shard_group) > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard_group)
-    _scaled_add_lists(low, up, own, plan, pieces, _coefficients(stats, left=True), device)
-
-
-def _fill_rows(
-    m: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], parts: list[tuple[int, int, int, int]]
-) -> None:
-    """``m[0]``, ``m[1]`` := one chunk of ``a``, ``b`` (exact: every supported dtype converts to float64)."""
-    if len(parts) == 1:
-        i, at, _, n = parts[0]
-        m[0].copy_(a[i][at : at + n])
-        m[1].copy_(b[i][at : at + n])
-        return
-    for i, at, o, n in parts:
-        m[0, o : o + n].copy_(a[i][at : at + n])
-        m[1, o : o + n].copy_(b[i][at : at + n])
-
-
-def _grams_lists(
-    a: list[torch.Tensor],
-    b: list[torch.Tensor],
-    plan: list,
-    pieces: list[list[tuple[int, int, int, int]]],
-    num: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """:func:`~adasum_lightning.allreduce._local_grams` of per-tensor buffers: per tensor, float64
-    ``[a·a, a·b, b·a, b·b]``, shape ``(num, 4)``; the same chunks, rows and reductions."""
-    cmax = max((e - s for s, e, _, _ in plan), default=0)
-    work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
-    rows_per_tensor = [0] * num
-    for _, _, ids, _ in plan:
-        for i in ids:
-            rows_per_tensor[i] += 1
-    grams = torch.empty(sum(rows_per_tensor), 4, dtype=torch.float64, device=device)
-    row = 0
-    for (s, e, ids, lengths), parts in zip(plan, pieces, strict=True):
-        m = work[:, : e - s]
-        _fill_rows(m, a, b, parts)
-        if len(ids) == 1:
-            torch.mm(m, m.t(), out=grams[row].view(2, 2))
-            row += 1
-        else:
-            mt = m.t()
-            prods = (mt.unsqueeze(2) * mt.unsqueeze(1)).view(e - s, 4)
-            lens = torch.tensor(lengths, device=device)
-            grams[row : row + len(ids)] = torch.segment_reduce(prods, "sum", lengths=lens, axis=0)
-            row += len(ids)
-    return torch.segment_reduce(grams, "sum", lengths=torch.tensor(rows_per_tensor, device=device), axis=0)
-
-
-def _scaled_add_lists(
-    a: list[torch.Tensor],
-    b: list[torch.Tensor],
-    out: list[torch.Tensor],
-    plan: list,
-    pieces: list[list[tuple[int, int, int, int]]],
-    coeffs: torch.Tensor,
-    device: torch.device,
-) -> None:
-    """:func:`~adasum_lightning.allreduce._scaled_add` of per-tensor buffers: ``out := coeffs[i, 0]·a +
-    coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to the dtype (``out`` may be ``a`` or ``b``:
-    each chunk is read into the float64 rows before it is written)."""
-    cmax = max((e - s for s, e, _, _ in plan), default=0)
-    work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
-    y64 = workspace(cmax, torch.float64, device, slot="out64")
-    for (s, e, ids, lengths), parts in zip(plan, pieces, strict=True):
-        m = work[:, : e - s]
-        _fill_rows(m, a, b, parts)
-        y = y64[: e - s]
-        if len(ids) == 1:
-            torch.mv(m.t(), coeffs[ids[0]], out=y)
-        else:
-            ce = coeffs[ids].repeat_interleave(torch.tensor(lengths, device=device), dim=0, output_size=e - s)
-            torch.sum(m.t() * ce, dim=1, out=y)
-        for i, at, o, n in parts:
-            out[i][at : at + n].copy_(y[o : o + n])
+    _scaled_add(low, up, own, plan, pieces, _coefficients(stats, left=True))

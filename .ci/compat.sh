@@ -21,20 +21,23 @@ step() { echo "[compat:$name] $*"; }
 SECONDS=0
 
 constraints=adasum_lightning/constraints.txt  # the torch pin, as make setup installs it
-stamp="$venv/.compat-$(printf '%s' "$spec" | cat - setup.cfg pyproject.toml "$constraints" | sha256sum | cut -c1-16)"
+stamp="$venv/.compat-$(printf '%s' "$spec" | cat - setup.cfg pyproject.toml "$constraints" "$0" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   rm -rf "$venv"
   step "creating $venv: $(grep '^torch==' "$constraints"), $spec, the project without extras, pytest"
   "$py" -m venv "$venv"
   .venv/bin/python .ci/seed_venv.py "$venv" torch  # torch's files hard-linked from make setup's .venv (no disk of its own)
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile -c "$constraints" torch "$spec" \
-    "pytest>=8" pytest-timeout \
+    "pytest>=8,<9.2" pytest-timeout "pytest-xdist>=3.5" \
     2> >(grep -v -e "^WARNING: Location" >&2)
   # The project is built in the checkout (build/, *.egg-info): one environment at a time (make test-compat
   # prepares both side by side).
   flock "$lock" "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile -c "$constraints" . \
     2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" >&2)
   bash patches/build_horovod.sh --python "$venv/bin/python" 2> >(grep -v "^WARNING: Location" >&2)
+  # byte code, as make setup writes it (torch's came linked from .venv): Python writes none on CI machines
+  "$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c \
+    'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
   touch "$stamp"
 else
   # the project itself may have changed since: reinstall it alone (seconds)
@@ -52,6 +55,15 @@ files=("$@")
   tests/test_strategy.py tests/test_validation.py tests/test_compat.py tests/test_packages.py
   tests/test_mpi.py tests/test_mpi_edge_cases.py tests/test_crossrank.py tests/test_ddp_adasum.py
   tests/test_forms.py tests/test_optimizer.py tests/test_fabric_horovod.py tests/test_uneven.py tests/test_resume.py)
-ADASUM_TEST_PACKAGE=$package ADASUM_PLAIN_INSTALL=1 "$venv/bin/python" -m pytest -ra --durations=15 -p no:cacheprovider \
-  -m "$markers" "${files[@]}"
+# As make test runs them: two workers (the files that share launches on one), then the tests that assert a
+# wall-clock limit alone; pytest's 5 (nothing selected) is no failure there.
+run_tests() {
+  ADASUM_TEST_PACKAGE=$package ADASUM_PLAIN_INSTALL=1 "$venv/bin/python" -m pytest -ra -p no:cacheprovider "$@" \
+    "${files[@]}"
+}
+rc=0
+run_tests --durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder \
+  -m "($markers) and not walltime" || rc=$?
+run_tests --durations=5 -m "($markers) and walltime" || { r=$?; [ "$r" = 5 ] || rc=$r; }
 step "done in ${SECONDS}s"
+exit "$rc"

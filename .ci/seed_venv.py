@@ -4,10 +4,11 @@
 
 Run with the interpreter of the environment that already holds them (``.venv/bin/python``). Each DIST and
 the heavy distributions it requires (torch, torchvision, triton, ``nvidia-*``, ``cuda-*``: about 5.5 GB of
-CUDA libraries on x86_64) are linked file by file, RECORD and all, into DEST_VENV's site-packages, so pip
-there sees them installed at the pinned versions and installs only the rest (sympy, numpy, ...) from the
-registry, as it would for a user. This is what uv's ``--link-mode=hardlink`` does from its cache; pip has no
-such mode. Console scripts are rewritten for DEST_VENV's python. A file on another file system is copied.
+CUDA libraries on x86_64) are linked file by file, RECORD and all (and the byte code of its modules where
+compiled), into DEST_VENV's site-packages, so pip there sees them installed at the pinned versions and
+installs only the rest (sympy, numpy, ...) from the registry, as it would for a user. This is what uv's
+``--link-mode=hardlink`` does from its cache; pip has no such mode. Console scripts are rewritten for
+DEST_VENV's python. A file on another file system is copied.
 
 Used by ``.ci/compat.sh`` and ``tests/test_wheel.py``, whose environments would otherwise each hold a full
 copy of torch.
@@ -66,20 +67,30 @@ def link_distribution(dist: metadata.Distribution, site: Path, bin_dir: Path, py
         else:  # ../../../bin/torchrun
             target = bin_dir / source.name
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            target.unlink()
         head = source.read_bytes()[:2] if target.parent == bin_dir else b""
         if head == b"#!":
             lines = source.read_text().splitlines(keepends=True)
+            target.unlink(missing_ok=True)  # never write through a link to the source
             target.write_text(f"#!{python}\n" + "".join(lines[1:]))
             target.chmod(0o755)
         else:
-            try:
-                os.link(source, target)
-            except OSError:  # another file system
-                shutil.copy2(source, target)
+            _link(source, target)
+            # the source's byte code too (make setup compiles it): valid here, the mtime is the same
+            cached = source.parent / "__pycache__" / f"{source.stem}.{sys.implementation.cache_tag}.pyc"
+            if source.suffix == ".py" and cached.is_file():
+                (target.parent / "__pycache__").mkdir(exist_ok=True)
+                _link(cached, target.parent / "__pycache__" / cached.name)
         count += 1
     return count
+
+
+def _link(source: Path, target: Path) -> None:
+    if target.exists():
+        target.unlink()
+    try:
+        os.link(source, target)
+    except OSError:  # another file system
+        shutil.copy2(source, target)
 
 
 def main(argv: list[str]) -> None:

@@ -97,6 +97,7 @@ def adasum_allreduce_flat(
     counts: Sequence[int],
     group: dist.ProcessGroup | None = None,
     timeout: timedelta | None = None,
+    on_final: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
     """:func:`adasum_allreduce` of tensors already packed back to back into one flat buffer, in place.
 
@@ -106,6 +107,9 @@ def adasum_allreduce_flat(
         flat: a contiguous 1-D tensor of a supported dtype, the same length and dtype on every rank.
         counts: the element counts of the tensors in it, in order; they add up to ``flat.numel()``.
         group, timeout: as for :func:`adasum_allreduce`.
+        on_final: called as ``on_final(start, length)`` for disjoint ranges that together cover ``flat``,
+            each as soon as it holds the result, while other ranges may still be in flight (the local-SGD
+            sync applies its update there); it must not write ``flat``.
 
     Returns:
         ``flat``, reduced in place.
@@ -123,7 +127,9 @@ def adasum_allreduce_flat(
     comm = _communicator(group, timeout) if flat.numel() else None
     if comm is not None:
         with torch.no_grad():
-            _reduce_flat(flat, list(counts), comm)
+            _reduce_flat(flat, list(counts), comm, on_final)
+    elif on_final is not None and flat.numel():
+        on_final(0, flat.numel())
     return flat
 
 
@@ -309,8 +315,11 @@ def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm) -> None:
             offset += n
 
 
-def _reduce_flat(flat: torch.Tensor, counts: list[int], comm: _Comm) -> None:
-    """Adasum allreduce of one flat buffer holding tensors of ``counts`` elements, in place."""
+def _reduce_flat(
+    flat: torch.Tensor, counts: list[int], comm: _Comm, on_final: Callable[[int, int], None] | None = None
+) -> None:
+    """Adasum allreduce of one flat buffer holding tensors of ``counts`` elements, in place (``on_final``: as
+    for :func:`adasum_allreduce_flat`)."""
     rank, size = comm.rank, comm.size
     p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
     total = flat.numel()
@@ -321,6 +330,8 @@ def _reduce_flat(flat: torch.Tensor, counts: list[int], comm: _Comm) -> None:
     if rank >= p:  # extra rank: hand the data to rank - p, get the result back
         comm.exchange(rank - p, flat, None)
         comm.exchange(rank - p, None, flat)
+        if on_final is not None:
+            on_final(0, total)
         return
     offsets = [0]
     for c in counts:
@@ -332,9 +343,11 @@ def _reduce_flat(flat: torch.Tensor, counts: list[int], comm: _Comm) -> None:
         comm.exchange(rank + p, None, recv)
         _local_pair(flat, recv, offsets)
     if halving:
-        _halving_doubling(flat, recv, offsets, comm, p)
+        _halving_doubling(flat, recv, offsets, comm, p, on_final)
     else:
         _binomial_tree(flat, recv[:total], offsets, comm, p)
+        if on_final is not None:
+            on_final(0, total)
     if has_extra:
         comm.exchange(rank + p, flat, None)
 
@@ -369,9 +382,17 @@ def _local_pair(low: torch.Tensor, high: torch.Tensor, offsets: list[int]) -> No
 
 
 def _halving_doubling(
-    flat: torch.Tensor, recv: torch.Tensor, offsets: list[int], comm: _Comm, p: int
+    flat: torch.Tensor,
+    recv: torch.Tensor,
+    offsets: list[int],
+    comm: _Comm,
+    p: int,
+    on_final: Callable[[int, int], None] | None = None,
 ) -> None:
-    """Horovod's vector halving / distance doubling over group ranks ``0 … p-1``, then distance halving."""
+    """Horovod's vector halving / distance doubling over group ranks ``0 … p-1``, then distance halving.
+
+    ``on_final`` sees the last level's own segment chunk by chunk as it is combined, then each segment
+    received back, piece by piece."""
     rank = comm.rank
     num = len(offsets) - 1
     chunk = CPU_CHUNK if flat.device.type == "cpu" else DEVICE_CHUNK
@@ -401,7 +422,7 @@ def _halving_doubling(
         if d < p:
             _scaled_add([a], [b], [a], plan, pieces, _coefficients(stats, left))
         else:  # the last level: each combined piece of ``a`` leaves for the first swap back at once
-            back = _Outgoing(comm, rank ^ (d >> 1), a, flat[give_lo : give_lo + give_n])
+            back = _Outgoing(comm, rank ^ (d >> 1), flat, (keep_lo, keep_n), (give_lo, give_n), on_final)
             _scaled_add([a], [b], [a], plan, pieces, _coefficients(stats, left), done=back.written)
             back.wait()
         lo, n = keep_lo, keep_n
@@ -410,40 +431,58 @@ def _halving_doubling(
     for i in reversed(range(len(history) - 1)):
         keep_lo, keep_n, give_lo, give_n = history[i]
         comm.exchange(rank ^ (1 << i), flat[keep_lo : keep_lo + keep_n], flat[give_lo : give_lo + give_n])
+        if on_final is not None and give_n:
+            on_final(give_lo, give_n)
 
 
 class _Outgoing:
-    """The swap back of one halving level, sent piece by piece as ``send`` is written (on Gloo; whole
-    otherwise), the peer's segment received into ``recv``."""
+    """The swap back of the last halving level: ``flat[send_lo : send_lo + send_n]`` sent piece by piece as
+    it is written (on Gloo; whole otherwise), the peer's segment received into ``flat[recv_lo : recv_lo +
+    recv_n]``; ``on_final`` sees the written elements, then each received piece."""
 
-    def __init__(self, comm: _Comm, peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def __init__(
+        self,
+        comm: _Comm,
+        peer: int,
+        flat: torch.Tensor,
+        send: tuple[int, int],
+        recv: tuple[int, int],
+        on_final: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.comm = comm
         self.peer = comm.global_ranks[peer]
-        self.pieces = comm._pieces(send) if send.numel() else []
+        (self.send_lo, send_n), (self.recv_lo, recv_n) = send, recv
+        self.on_final = on_final
+        self.pieces = comm._pieces(flat[self.send_lo : self.send_lo + send_n]) if send_n else []
         self.sent = 0  # pieces posted
-        self.end = 0  # elements of ``send`` they cover
-        self.works = (
-            []
-            if not recv.numel()
-            else [dist.irecv(t, self.peer, comm.group, tag) for tag, t in enumerate(comm._pieces(recv))]
-        )
+        self.end = 0  # elements of the sent segment they cover
+        self.reported = 0  # elements of the sent segment passed to ``on_final``
+        self.recvs = comm._pieces(flat[self.recv_lo : self.recv_lo + recv_n]) if recv_n else []
+        self.works = [dist.irecv(t, self.peer, comm.group, tag) for tag, t in enumerate(self.recvs)]
 
     def written(self, upto: int) -> None:
-        """``send``'s first ``upto`` elements are final: post the pieces they complete."""
+        """The sent segment's first ``upto`` elements are final: post the pieces they complete."""
         while self.sent < len(self.pieces) and self.end + self.pieces[self.sent].numel() <= upto:
             piece = self.pieces[self.sent]
             self.works.append(dist.isend(piece, self.peer, self.comm.group, self.sent))
             self.end += piece.numel()
             self.sent += 1
+        if self.on_final is not None and upto > self.reported:
+            self.on_final(self.send_lo + self.reported, upto - self.reported)
+            self.reported = upto
 
     def wait(self) -> None:
         """Post what is left and wait for every message."""
         self.written(self.end + sum(t.numel() for t in self.pieces[self.sent :]))
-        for work in self.works:
+        at = self.recv_lo
+        for i, work in enumerate(self.works):
             if self.comm.timeout is None:
                 work.wait()
             else:
                 work.wait(self.comm.timeout)
+            if self.on_final is not None and i < len(self.recvs):
+                self.on_final(at, self.recvs[i].numel())
+                at += self.recvs[i].numel()
 
 
 def _segment_counts(offsets: list[int], lo: int, n: int) -> list[int]:

@@ -10,8 +10,11 @@ Each rank keeps its own inner optimizer state; the outer state is the same on ev
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import torch
@@ -104,32 +107,38 @@ class PeriodicSync:
         for (dtype, device), indices in buckets.items():
             params = [self.params[i] for i in indices]
             synced = [self._synced[i] for i in indices]
-            flat = workspace(sum(p.numel() for p in params), dtype, device, slot="periodic-delta")
-            offset = 0
-            for p, s in zip(params, synced, strict=True):
-                torch.sub(p.detach().reshape(-1), s.reshape(-1), out=flat[offset : offset + p.numel()])
-                offset += p.numel()
+            offsets = list(accumulate((p.numel() for p in params), initial=0))
+            flat = workspace(offsets[-1], dtype, device, slot="periodic-delta")
+            for p, s, at in zip(params, synced, offsets, strict=False):
+                torch.sub(p.detach().reshape(-1), s.reshape(-1), out=flat[at : at + p.numel()])
+            # Without an outer optimizer each range of θ_sync is set as soon as the allreduce has its result.
+            apply = None
+            if self.outer_optimizer is None and all(p.is_contiguous() for p in params):
+                apply = partial(_apply_deltas, params, synced, offsets, flat)
             if size > 1 and self.combine == "adasum":
-                adasum_allreduce_flat(flat, [p.numel() for p in params], self.group, self.timeout)
-            elif size > 1:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-                flat.div_(size)
-            offset = 0
-            for p, s in zip(params, synced, strict=True):
-                delta = flat[offset : offset + p.numel()].view(p.shape)
-                offset += p.numel()
-                if self.outer_optimizer is None:
-                    torch.add(s, delta, out=p.data)
-                else:
-                    p.data.copy_(s)
-                    p.grad = delta.neg()
+                adasum_allreduce_flat(flat, [p.numel() for p in params], self.group, self.timeout, apply)
+            else:
+                if size > 1:
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                    flat.div_(size)
+                if apply is not None:
+                    apply(0, offsets[-1])
+            if apply is None:
+                for p, s, at in zip(params, synced, offsets, strict=False):
+                    delta = flat[at : at + p.numel()].view(p.shape)
+                    if self.outer_optimizer is None:
+                        torch.add(s, delta, out=p.data)
+                        s.copy_(p.detach())
+                    else:
+                        p.data.copy_(s)
+                        p.grad = delta.neg()
         if self.outer_optimizer is not None:
             with torch.enable_grad():
                 self.outer_optimizer.step()
             for p, grad in zip(self.params, saved_grads, strict=True):
                 p.grad = grad
-        for p, s in zip(self.params, self._synced, strict=True):
-            s.copy_(p.detach())
+            for p, s in zip(self.params, self._synced, strict=True):
+                s.copy_(p.detach())
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the window, θ_sync and the outer optimizer's state (the same on every rank)."""
@@ -150,3 +159,27 @@ class PeriodicSync:
 
     def _copy(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.params]
+
+
+def _apply_deltas(
+    params: list[torch.Tensor],
+    synced: list[torch.Tensor],
+    offsets: list[int],
+    flat: torch.Tensor,
+    start: int,
+    length: int,
+) -> None:
+    """θ := θ_sync + Δ, then θ_sync := θ, on the elements ``[start, start + length)`` of the parameters packed
+    back to back (contiguous ``params``; tensor ``i`` at ``offsets[i]``), Δ being ``flat``'s combined
+    pseudo-gradients. Done range by range, each range's second pass reads what the first left in cache."""
+    end = start + length
+    i = bisect_right(offsets, start) - 1
+    while start < end:
+        lo, hi = offsets[i], min(offsets[i + 1], end)
+        if hi > start:
+            p = params[i].detach().view(-1)[start - lo : hi - lo]
+            s = synced[i].view(-1)[start - lo : hi - lo]
+            torch.add(s, flat[start:hi], out=p)
+            s.copy_(p)
+            start = hi
+        i += 1

@@ -105,6 +105,15 @@ def test_equals_the_reference_on_every_rank(np, prefix_groups, cases):
             assert res["single_same_memory"][path]
             assert rel_err(res["single"][path], expected) <= 1e-5
             assert torch.equal(res["single"][path], ranks[0]["single"][path])
+        # adasum_allreduce_flat's on_final: disjoint ranges covering the buffer, each final when reported
+        for path in (0, 1):
+            final = res["final_ranges"][path]
+            assert torch.equal(final["flat"], res["single"][path]), (r, path)
+            covered = torch.zeros(final["flat"].numel(), dtype=torch.int64)
+            for start, length, values in final["seen"]:
+                covered[start : start + length] += 1
+                assert torch.equal(values, final["flat"][start : start + length]), (r, path, start)
+            assert torch.equal(covered, torch.ones_like(covered)), (r, path)
         # sub-group of ranks 1 … np-1; rank 0 is not in it and keeps its tensors
         if r == 0:
             for before, after in zip(res["sub_inputs"], res["sub_outputs"], strict=True):
@@ -209,6 +218,12 @@ def test_world_size_one_is_a_no_op(single_process_group):
     tensors = [x, y]
     assert adasum_allreduce(tensors) is tensors
     assert torch.equal(x, before[0]) and torch.equal(y, before[1])
+
+
+def test_flat_buffer_of_one_rank_is_final_at_once(single_process_group):
+    flat, seen = torch.arange(10.0), []
+    ar.adasum_allreduce_flat(flat, [4, 6], on_final=lambda start, length: seen.append((start, length)))
+    assert seen == [(0, 10)] and torch.equal(flat, torch.arange(10.0))
 
 
 def test_gloo_sends_one_dimensional_buffers_in_pieces(single_process_group, monkeypatch):

@@ -5,7 +5,8 @@ usage:
       a Gloo process group of N ranks: one call over the default group with every case (four dtypes, so
       four buckets), one call with a single contiguous tensor, one over the sub-group of ranks 1 … N-1
       (rank 0 is no member and calls too), and for each K one with every case over ranks 0 … K-1; the
-      calls with every case and the single tensor run through both paths (binomial tree and halving).
+      calls with every case and the single tensor run through both paths (binomial tree and halving), and
+      the single tensor once more through ``adasum_allreduce_flat``, recording what ``on_final`` reports.
   horovodrun -np N python -m tests.workers.adasum_allreduce OUT_DIR horovod
       Horovod plus a Gloo group of the same ranks: Horovod's own Adasum allreduce per tensor, then
       ``adasum_allreduce`` of the same inputs in one call.
@@ -15,7 +16,8 @@ Every rank writes ``OUT_DIR/rank{r}.pt``; the tests compute the expected values 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -74,13 +76,34 @@ def reduce(
     """``adasum_allreduce`` forced through the binomial tree or Horovod's vector halving, whatever the
     bucket sizes, with Gloo messages of 64 KiB (the large tensors arrive and leave in many pieces, each
     chunk's products taken as its pieces arrive)."""
+    with forced(path):
+        return adasum_allreduce(tensors, group=group)
+
+
+@contextmanager
+def forced(path: str) -> Iterator[None]:
+    """The allreduce forced through ``path`` (see :func:`reduce`) inside the block."""
     saved = ar.TREE_MAX_BYTES, ar.GLOO_PIECE_BYTES
     ar.TREE_MAX_BYTES = {"tree": 1 << 62, "halving": 0}[path]
     ar.GLOO_PIECE_BYTES = 1 << 16
     try:
-        return adasum_allreduce(tensors, group=group)
+        yield
     finally:
         ar.TREE_MAX_BYTES, ar.GLOO_PIECE_BYTES = saved
+
+
+def final_ranges(rank: int, path: str) -> dict:
+    """``adasum_allreduce_flat`` of :func:`large` with ``on_final``: the buffer after the call and each
+    reported ``(start, length, the range's values when reported)``."""
+    flat = large(rank)
+    seen = []
+
+    def on_final(start: int, length: int) -> None:
+        seen.append((start, length, flat[start : start + length].clone()))
+
+    with forced(path):
+        ar.adasum_allreduce_flat(flat, [flat.numel()], on_final=on_final)
+    return {"flat": flat, "seen": seen}
 
 
 def all_cases_call(rank: int, path: str, group: dist.ProcessGroup | None = None) -> dict:
@@ -115,6 +138,7 @@ def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
         ret = reduce((single,), path)
         result["single"].append(single)
         result["single_same_memory"].append(single.data_ptr() == ptr and ret[0] is single)
+    result["final_ranges"] = [final_ranges(rank, path) for path in PATHS]
     # A sub-group: ranks 1 … size-1 (rank 0 is not a member; it calls too and nothing happens).
     sub = dist.new_group(list(range(1, size)))
     sub_tensors = [

@@ -72,10 +72,13 @@ FULL = {
     "loops_models": ["cnn", "mlp"],
     "loops_repeats": 3,
     "loops_steps": {"cnn": 400, "mlp": 40},
+    "loops_skip": 5,
     "local_sgd_throughput_sizes": [2],
     "local_sgd_throughput_models": ["mlp"],
     "local_sgd_throughput_repeats": 4,
-    "local_sgd_throughput_steps": {"mlp": 60},
+    # Steps 10 … 69 are timed: exactly 6 syncs at H = 10, none of them the end-of-fit partial window.
+    "local_sgd_throughput_steps": {"mlp": 70},
+    "local_sgd_throughput_skip": 10,
     "fsdp_memory_devices": 4,
     "fsdp_memory_shard_size": 2,
     "fsdp_memory_repeats": 3,
@@ -248,9 +251,10 @@ LOOPS_RATIOS = (
 def loops(cfg: dict, out_dir: Path, impls: tuple[str, ...] | None = None, prefix: str = "loops") -> dict:
     """Steps/s of plain DDP, plain Adasum (``AdasumOptimizer``), Fabric ``ddp_adasum``, Trainer ``ddp`` and
     Trainer ``ddp_adasum`` (``benchmarks/loops.py``; ``impls``: a subset), per model and world size
-    (``cfg[prefix + "_models"]``, ``…_sizes``, ``…_repeats``, ``…_steps``), in interleaved rounds: each round
-    runs every form once, the order rotated by one each round, so that a trend in the machine's load hits
-    every form alike. World sizes above the 2 cores are marked ``oversubscribed``."""
+    (``cfg[prefix + "_models"]``, ``…_sizes``, ``…_repeats``, ``…_steps``, ``…_skip``: untimed warm-up
+    steps), in interleaved rounds: each round runs every form once, the order rotated by one each round, so
+    that a trend in the machine's load hits every form alike. World sizes above the 2 cores are marked
+    ``oversubscribed``."""
     from benchmarks.loops import IMPLS
 
     impls = impls or IMPLS
@@ -265,7 +269,8 @@ def loops(cfg: dict, out_dir: Path, impls: tuple[str, ...] | None = None, prefix
         out = out_dir / "runs" / f"{prefix}_{model}_{impl}_n{n}.json"
         log = logs_for(out_dir) / f"{prefix}_{model}_{impl}_n{n}_r{i}.log"
         args = ["benchmarks.loops", str(out), "--impl", impl, "--model", model,
-                "--steps", str(cfg[f"{prefix}_steps"][model])]  # fmt: skip
+                "--steps", str(cfg[f"{prefix}_steps"][model]),
+                "--skip", str(cfg[f"{prefix}_skip"])]  # fmt: skip
         load = os.getloadavg()
         if impl.startswith("plain"):
             wall, command = torchrun(n, args, log=log), command_line(n, args, "torchrun")

@@ -86,10 +86,9 @@ if horovod_ok; then
 else
   timed horovod bash patches/build_horovod.sh --python "$vpy" 2> >(grep -v "^WARNING: Location" >&2 || true)
 fi
-# Byte-compiled once, in parallel (about 40 s on 2 cores): with PYTHONDONTWRITEBYTECODE set, as on this
-# project's CI machines, Python would otherwise compile every module it imports in every process again —
-# importing pytorch_lightning took 15 s instead of 7, and the test suite starts hundreds of processes.
-# (torch's Python-3.12-only test helper does not compile on 3.11: compileall's failures are ignored.)
+# Byte-compiled once, in parallel: where PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines,
+# every process would otherwise compile each module it imports again (docs/development.md, "The two
+# commands"). torch's Python-3.12-only test helper does not compile on 3.11: compileall's failures are ignored.
 bytecode="$venv/.bytecode"
 site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 compile_all() {

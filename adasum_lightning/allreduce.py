@@ -475,7 +475,7 @@ class _Outgoing:
         """Post what is left and wait for every message."""
         self.written(self.end + sum(t.numel() for t in self.pieces[self.sent :]))
         at = self.recv_lo
-        for i, work in enumerate(self.works):
+        for i, work in enumerate(self.works):  # the receives come first, in the order of ``recvs``
             if self.comm.timeout is None:
                 work.wait()
             else:

@@ -10,7 +10,7 @@ memory per rank and step time of ``fsdp_adasum`` beside Lightning's HSDP on the 
 Average vs Sum; ``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
 (``docs/benchmarks.md`` and its PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum``
 rows, with ``horovod_adasum`` re-run beside them, merged into an existing ``study_real.json``) and
-``local_sgd`` (DiLoCo / local SGD with Adasum or averaging, ``benchmarks/local_sgd.py``; ≈ 30 CPU-minutes,
+``local_sgd`` (DiLoCo / local SGD with Adasum or averaging, ``benchmarks/local_sgd.py``; ≈ 2.3 CPU-hours,
 ``--quick`` ≈ 20 s; writes ``local_sgd.json`` and its PNGs, docs/local_sgd.md reads them). ``make
 bench`` runs everything with :data:`FULL`; ``make bench-quick`` runs :data:`QUICK` into
 ``benchmarks/results/quick/`` (the docs are left alone; its report goes to

@@ -22,7 +22,8 @@ The N workers run as one batched computation: each parameter is stacked along a 
 ``torch.func.functional_call``; the loss summed over workers gives each worker's slice its own gradient.
 One inner optimizer over the stacked tensors then equals N separate ones, which holds for element-wise
 optimizers (SGD with or without momentum, Adam, AdamW) and not for those that mix elements of a tensor
-(LAMB, LARS, gradient-norm clipping). Models must have no buffers that change in training (no BatchNorm).
+(LAMB, LARS, gradient-norm clipping). Models must have no buffers that change in training (no BatchNorm);
+dropout draws its own masks per worker (``vmap(randomness="different")``).
 
 Bytes (:func:`bytes_per_round`): what one rank sends in one round's allreduce of all parameters as one
 float32 bucket: for ``"mean"`` the ring allreduce's ``2 (N−1)/N · B`` (reduce-scatter then all-gather,
@@ -49,6 +50,7 @@ from torch.func import functional_call, vmap
 
 from adasum_lightning.allreduce import TREE_MAX_BYTES
 from adasum_lightning.ops import adasum_reduce
+from examples.mnist_torch import MNISTCNN
 
 ROOT = Path(__file__).resolve().parents[1]
 COMBINES = ("adasum", "mean")
@@ -196,7 +198,7 @@ def simulate_diloco(
     def worker_loss(params: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss_fn(functional_call(model, dict(zip(names, params, strict=True)), (x,)), y)
 
-    batched_loss = vmap(worker_loss)
+    batched_loss = vmap(worker_loss, randomness="different")
 
     def evaluate() -> float:
         with torch.no_grad():
@@ -385,6 +387,7 @@ def text_corpus(max_bytes: int) -> tuple[torch.Tensor, list[str]]:
 #: Inner optimizers per model: (class name, keyword arguments).
 INNERS = {
     "mnist": {"adamw": ("AdamW", {"lr": 1e-3}), "sgdm": ("SGD", {"lr": 0.05, "momentum": 0.9})},
+    "cnn": {"adamw": ("AdamW", {"lr": 1e-3}), "sgdm": ("SGD", {"lr": 0.05, "momentum": 0.9})},
     "lm": {
         "adamw": ("AdamW", {"lr": 3e-3, "betas": (0.9, 0.95)}),
         "sgdm": ("SGD", {"lr": 0.5, "momentum": 0.9}),
@@ -405,9 +408,10 @@ def methods_for(mc: dict, inner: str) -> list[str]:
     return list(mc["methods"]) + list(mc.get("extra_methods", {}).get(inner, []))
 
 
-#: ``make bench``-sized study (≈ 30 CPU-minutes on one thread; docs/local_sgd.md says what was shrunk).
+#: ``make bench``-sized study (≈ 2.3 CPU-hours on one thread, the CNN ≈ 1.8 of them; docs/local_sgd.md says
+#: what was shrunk).
 FULL: dict[str, Any] = {
-    "models": ["mnist", "lm"],
+    "models": ["mnist", "cnn", "lm"],
     "mnist": {
         "sizes": [4, 8, 16],
         "sync_every": [1, 10, 50],
@@ -429,6 +433,20 @@ FULL: dict[str, Any] = {
             "method": "adasum_nesterov",
             "outer_lrs": [0.1, 0.35],
         },
+    },
+    "cnn": {
+        "sizes": [4, 8, 16],
+        "sync_every": [1, 10, 50],
+        "rounds": {"1": 100, "10": 30, "50": 15},
+        "eval_every": {"1": 5, "10": 1, "50": 1},
+        "batch_size": 32,
+        "inners": ["adamw", "sgdm"],
+        "seeds": [1, 2, 3],
+        "search_seed": 0,
+        "search_size": 8,
+        "outer_lrs": [0.1, 0.35, 0.7],
+        "extend_low": 2,
+        "methods": ["adasum_nesterov", "mean_nesterov", "adasum_direct"],
     },
     "lm": {
         "sizes": [2, 4, 8],
@@ -472,6 +490,11 @@ class Task:
             self.data = mnist_tensors()
             self.model_fn = mnist_mlp
             self.loss_fn = F.cross_entropy
+        elif model == "cnn":
+            images = mnist_tensors()
+            self.data = {k: v.view(-1, 1, 28, 28) if k.startswith("x_") else v for k, v in images.items()}
+            self.model_fn = MNISTCNN
+            self.loss_fn = F.nll_loss
         elif model == "lm":
             data, self.files = text_corpus(cfg["corpus_bytes"])
             cut = int(len(data) * 0.9)
@@ -489,7 +512,7 @@ class Task:
         """N iid shards (MNIST: a random partition of the 55,000 training images) or contiguous slices
         (text: worker ``w`` reads the ``w``-th 1/N of the training bytes)."""
         b = self.cfg["batch_size"]
-        if self.name == "mnist":
+        if self.name in ("mnist", "cnn"):
             x, y = self.data["x_train"], self.data["y_train"]
             perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
             parts = perm.chunk(n)
@@ -499,12 +522,17 @@ class Task:
         return [TextShard(self.train[w * size : (w + 1) * size], ctx, b, seed * 100 + w) for w in range(n)]
 
     def evaluate(self, model: nn.Module, split: str = "val") -> float:
-        """Mean loss of ``model`` on the validation (or MNIST test) split."""
-        with torch.no_grad():
-            if self.name == "lm":
-                return lm_loss(model(self.val_x), self.val_y).item()
-            x, y = self.data[f"x_{split}"], self.data[f"y_{split}"]
-            return F.cross_entropy(model(x), y).item()
+        """Mean loss of ``model`` on the validation (or MNIST test) split, dropout off."""
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                if self.name == "lm":
+                    return lm_loss(model(self.val_x), self.val_y).item()
+                x, y = self.data[f"x_{split}"], self.data[f"y_{split}"]
+                return self.loss_fn(model(x), y).item()
+        finally:
+            model.train(training)
 
 
 def run_one(
@@ -549,7 +577,7 @@ def run_one(
         "worker_steps": out["worker_steps"], "wall_s": out["wall_s"], "cpu_s": out["cpu_s"],
         "bytes_per_round": bytes_per_round(out["model"], n, combine),
     }  # fmt: skip
-    if task.name == "mnist" and not out["diverged"]:
+    if task.name in ("mnist", "cnn") and not out["diverged"]:
         record["final_test"] = task.evaluate(out["model"], "test")
     return record
 
@@ -790,6 +818,7 @@ def aim(result: dict, n: int = 16, h: int = 50, ratio: float = 0.8) -> list[dict
 # ---------------------------------------------------------------------------------------------------------
 # Plots and tables
 
+MODEL_NAMES = {"mnist": "MNIST MLP", "cnn": "MNIST CNN", "lm": "char-level transformer"}
 LABELS = {
     "adasum_nesterov": "Adasum + Nesterov",
     "mean_nesterov": "mean + Nesterov (DiLoCo)",
@@ -843,7 +872,7 @@ def plot(result: dict, docs: Path) -> list[Path]:
                     if j == 0:
                         ax.set_ylabel("validation loss")
                     ax.legend(fontsize=6)
-            what = "MNIST MLP" if model == "mnist" else "char-level transformer"
+            what = MODEL_NAMES[model]
             fig.suptitle(
                 f"{what}, inner {inner}: validation loss per outer round (mean of seeds, min–max band)"
             )
@@ -950,7 +979,7 @@ def tables(result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the reduced configuration (about a minute)")
-    p.add_argument("--models", default=None, help="comma-separated subset of mnist,lm")
+    p.add_argument("--models", default=None, help="comma-separated subset of mnist,cnn,lm")
     p.add_argument(
         "--out",
         type=Path,

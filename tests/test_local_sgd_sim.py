@@ -4,6 +4,7 @@ batched workers against separate ones, the byte counts, and (when torchft is ins
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from benchmarks.local_sgd import (
     ring_allreduce_bytes,
     simulate_diloco,
 )
+from examples.mnist_torch import MNISTCNN
 
 # Worker 0 sees x = e0, worker 1 x = e1, target 0, for w·x with w = (1, 2): squared-error gradients
 # 2 (w·x − 0) x are (2, 0) and (0, 4); with lr 0.1 the pseudo-gradients are (−0.2, 0) and (0, −0.4),
@@ -102,6 +104,39 @@ def test_batched_workers_equal_separate_models_and_optimizers_with_state_kept_ac
                     m.load_state_dict(sync.state_dict())
         for a, b in zip(got.parameters(), sync.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_each_worker_draws_its_own_dropout_masks():
+    # Both workers see the same batches from the same θ_sync: their pseudo-gradients differ only through
+    # dropout. Adasum of two equal vectors is the vector, so Adasum equals the mean exactly when the masks
+    # are shared, and differs when each worker draws its own.
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in MNISTCNN().state_dict().items()}
+
+    def model_fn() -> nn.Module:
+        m = MNISTCNN()
+        m.load_state_dict(init)
+        return m
+
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    shards = [lambda step: (x, y)] * 2
+
+    def run(combine: str, model: Callable[[], nn.Module]) -> torch.Tensor:
+        torch.manual_seed(1)
+        out = simulate_diloco(model, shards, sync_every=2, combine=combine, inner_optimizer_fn=_sgd(),
+                              outer_optimizer_fn=None, rounds=1, loss_fn=F.nll_loss)  # fmt: skip
+        return torch.cat([p.detach().flatten() for p in out["model"].parameters()])
+
+    start = torch.cat([v.flatten() for k, v in init.items()])
+    adasum, mean = run("adasum", model_fn), run("mean", model_fn)
+    assert (adasum - mean).abs().max() > 1e-4 * (mean - start).abs().max()
+
+    # the same model in eval mode (dropout off): the workers are identical, Adasum is the mean
+    def without_dropout() -> nn.Module:
+        return model_fn().eval()
+
+    adasum, mean = run("adasum", without_dropout), run("mean", without_dropout)
+    torch.testing.assert_close(adasum, mean, rtol=0, atol=1e-7)
 
 
 def test_bytes_per_rank():

@@ -387,12 +387,12 @@ def text_corpus(max_bytes: int) -> tuple[torch.Tensor, list[str]]:
 #: Inner optimizers per model: (class name, keyword arguments).
 INNERS = {
     "mnist": {"adamw": ("AdamW", {"lr": 1e-3}), "sgdm": ("SGD", {"lr": 0.05, "momentum": 0.9})},
-    "cnn": {"adamw": ("AdamW", {"lr": 1e-3}), "sgdm": ("SGD", {"lr": 0.05, "momentum": 0.9})},
     "lm": {
         "adamw": ("AdamW", {"lr": 3e-3, "betas": (0.9, 0.95)}),
         "sgdm": ("SGD", {"lr": 0.5, "momentum": 0.9}),
     },
 }
+INNERS["cnn"] = INNERS["mnist"]  # the example's CNN trains with the MLP's inner optimizers
 #: The compared methods: (combine, outer optimizer?); the outer one is Nesterov SGD, momentum 0.9.
 METHODS = {
     "adasum_nesterov": ("adasum", True),

@@ -389,7 +389,7 @@ INNERS = {
     "mnist": {"adamw": ("AdamW", {"lr": 1e-3}), "sgdm": ("SGD", {"lr": 0.05, "momentum": 0.9})},
     "lm": {
         "adamw": ("AdamW", {"lr": 3e-3, "betas": (0.9, 0.95)}),
-        "sgdm": ("SGD", {"lr": 0.5, "momentum": 0.9}),
+        "sgdm": ("SGD", {"lr": 0.2, "momentum": 0.9}),
     },
 }
 INNERS["cnn"] = INNERS["mnist"]  # the example's CNN trains with the MLP's inner optimizers
@@ -435,18 +435,18 @@ FULL: dict[str, Any] = {
         },
     },
     "lm": {
-        "sizes": [2, 4, 8],
+        "sizes": [4, 8, 16],
         "sync_every": [1, 10, 50],
-        "rounds": {"1": 30, "10": 12, "50": 8},
+        "rounds": {"1": 30, "10": 12, "50": 15},
         "eval_every": {"1": 3, "10": 1, "50": 1},
         "batch_size": 4,
         "context": 64,
         "corpus_bytes": 2_000_000,
         "val_windows": 64,
-        "inners": ["adamw"],
+        "inners": ["adamw", "sgdm"],
         "seeds": [1, 2, 3],
         "search_seed": 0,
-        "search_size": 4,
+        "search_size": 8,
         "outer_lrs": [0.175, 0.35, 0.7],
         "extend_low": 2,
         "methods": ["adasum_nesterov", "mean_nesterov", "adasum_direct"],
@@ -468,8 +468,8 @@ QUICK: dict[str, Any] = {
               "aim_check": {"inner": "adamw", "N": 4, "H": 10, "method": "adasum_nesterov",
                             "outer_lrs": [0.35]}},
     "lm": {**FULL["lm"], "sizes": [4], "sync_every": [10], "rounds": {"10": 3}, "eval_every": {"10": 1},
-           "seeds": [1], "search_size": 4, "outer_lrs": [0.7], "extend_low": 0, "corpus_bytes": 300_000,
-           "val_windows": 16},
+           "inners": ["adamw"], "seeds": [1], "search_size": 4, "outer_lrs": [0.7], "extend_low": 0,
+           "corpus_bytes": 300_000, "val_windows": 16},
 }  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,34 @@ def test_local_sgd_counts_optimizer_steps_under_accumulation_and_clipping(cases)
     assert plain[0]["steps"] == 3
     assert torch.equal(plain[0]["trace"][1], plain[1]["trace"][1])  # synced after step 2
     assert not torch.equal(plain[0]["trace"][2], plain[1]["trace"][2])  # step 3: inside the last window
+
+
+def window_exits(**strategy_kwargs):
+    """A fit that ends mid-window (step 3 of a 10-step window, an outer optimizer), with more strategy
+    arguments (each key names the case)."""
+    options = ("--sync-every", "10", "--outer-lr", "0.7", "--momentum", "0.9", "--max-steps", "3")
+    extra = ("--strategy-kwargs", json.dumps(strategy_kwargs)) if strategy_kwargs else ()
+    name = "-".join(["forms-window-exits", *strategy_kwargs])
+    return form(name, "trainer", 2, *options, *extra)
+
+
+WINDOW_EXITS = {"default": window_exits()}
+
+
+@pytest.mark.parametrize(
+    "kwargs", [pytest.param(k, marks=pytest.mark.cases(c), id=k) for k, c in WINDOW_EXITS.items()]
+)
+def test_a_fit_that_ends_mid_window_shows_the_synced_parameters_at_every_exit(kwargs, cases):
+    # the last epoch's on_train_epoch_end and on_train_end, in a callback and in the module, on every rank
+    ranks = trained(cases[WINDOW_EXITS[kwargs]])  # every rank ends with rank 0's parameters
+    exits = ["callback.on_train_epoch_end.0", "module.on_train_epoch_end.0", "callback.on_train_end",
+             "module.on_train_end"]  # fmt: skip
+    for r, res in enumerate(ranks):
+        assert res["steps"] == 3 and sorted(res["exits"]) == sorted(exits), r
+        for hook, seen in res["exits"].items():
+            for name, tensor in res["end"].items():
+                assert torch.equal(seen[name], tensor), (r, hook, name)
+    assert not torch.equal(ranks[0]["end"]["0.weight"], ranks[0]["start"]["0.weight"])  # the sync moved them
 
 
 def batches_of_every_rank(world_size: int, epochs: int = 2) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:

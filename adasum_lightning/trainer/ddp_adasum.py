@@ -137,7 +137,10 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         super().setup(trainer)
         if self.sync_every > 1 and self.combine == "adasum" and self.outer_optimizer is None:
             rank_zero_warn(validation.local_sgd_without_outer_message(self.strategy_name, self.sync_every))
-        if self.overlap_backward and self.world_size > 1 and trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.sync_every > 1 and fitting and not any(isinstance(c, _EndWindows) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, _EndWindows(self))  # first: before the others' end-of-fit hooks
+        if self.overlap_backward and self.world_size > 1 and fitting:
             # the worker thread's own process group (a collective: every rank builds it here)
             self._overlap_group = dist.new_group(
                 backend=dist.get_backend(), timeout=_compat.process_group_timeout(self)
@@ -265,11 +268,6 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         super().on_validation_start()
 
     @override
-    def on_train_end(self) -> None:
-        self.end_windows()
-        super().on_train_end()
-
-    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.end_windows()  # a checkpoint holds the synced parameters, the same on every rank
         return super().lightning_module_state_dict()
@@ -307,3 +305,27 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             dist.destroy_process_group(self._overlap_group)
             self._overlap_group = None
         super().teardown()
+
+
+class _EndWindows(Callback):
+    """Ends the strategy's windows where ``fit`` hands the model out at its end, before the other callbacks
+    and the module see it: ``on_train_end`` (Lightning calls the strategy's own after theirs) and the last
+    epoch's ``on_train_epoch_end``. Earlier epochs' windows run on across the epoch's end."""
+
+    def __init__(self, strategy: DDPAdasumStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning's stop conditions, the same on every rank (the epoch counts as done here)
+        max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+        if (
+            trainer.should_stop
+            or 0 <= max_steps <= trainer.global_step
+            or (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1)
+        ):
+            self.strategy.end_windows()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.end_windows()

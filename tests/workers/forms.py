@@ -7,7 +7,7 @@ usage: python -m tests.workers.forms OUT --form {plain,fabric,trainer} [options]
 - ``fabric``: ``Fabric(strategy="ddp_adasum", devices=N)`` and ``fabric.launch()`` (started as a plain
   python); the Fabric package is ``--fabric-package`` (``lightning_fabric`` or ``lightning.fabric``).
 - ``trainer``: ``Trainer(strategy="ddp_adasum", devices=N)`` on ``TinyModule`` (Lightning starts the
-  processes).
+  processes); a callback and the module record the parameters they see at the end of each epoch and of fit.
 
 All three: the tiny net, rank 0's initial weights (seed 100; the other ranks seed differently), 64 samples
 in per-rank shards of a shuffling ``DistributedSampler`` (rank 0's seed, a new order each epoch), batches of
@@ -19,6 +19,7 @@ step ``--inf-rank`` skips at optimizer step ``--inf-step`` (an infinite loss on 
 import argparse
 import functools
 import importlib
+import json
 import os
 import warnings
 from pathlib import Path
@@ -40,7 +41,7 @@ p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "lbfgs"))
 p.add_argument("--lr", type=float, default=0.1)
 p.add_argument("--momentum", type=float, default=0.5)
 p.add_argument("--epochs", type=int, default=2)
-p.add_argument("--max-steps", type=int, default=-1, help="plain: stop after this many steps")
+p.add_argument("--max-steps", type=int, default=-1, help="plain, trainer: stop after this many steps")
 p.add_argument("--accumulate", type=int, default=1)
 p.add_argument("--clip-norm", type=float, default=None)
 p.add_argument("--fp16-scaler", action="store_true")
@@ -56,6 +57,7 @@ p.add_argument("--ddp-wrapped", action="store_true", help="the model wrapped in 
 p.add_argument("--sync-every", type=int, default=1, help="local SGD: optimizer steps between syncs")
 p.add_argument("--combine", default="adasum", choices=("adasum", "mean"))
 p.add_argument("--outer-lr", type=float, default=0.0, help="> 0: an outer Nesterov SGD (momentum 0.9)")
+p.add_argument("--strategy-kwargs", type=json.loads, default={}, help="more local-SGD arguments (JSON)")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -75,12 +77,13 @@ def make_optimizer(params):
 
 def local_sgd() -> dict:
     """The local-SGD arguments of AdasumOptimizer and of the strategies (empty: every step)."""
-    if args.sync_every == 1 and args.combine == "adasum" and not args.outer_lr:
+    if args.sync_every == 1 and args.combine == "adasum" and not args.outer_lr and not args.strategy_kwargs:
         return {}
     outer = None
     if args.outer_lr:
         outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True)
-    return {"sync_every": args.sync_every, "combine": args.combine, "outer_optimizer": outer}
+    return {"sync_every": args.sync_every, "combine": args.combine, "outer_optimizer": outer,
+            **args.strategy_kwargs}  # fmt: skip
 
 
 def dataset() -> IndexedData:
@@ -106,8 +109,12 @@ def closure(optimizer, model, x, y, backward=torch.Tensor.backward) -> torch.Ten
     return loss
 
 
+def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("net."): v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def save(rank: int, model: torch.nn.Module, optimizer, **extra) -> None:
-    end = {k.removeprefix("net."): v.detach().clone() for k, v in model.state_dict().items()}
+    end = parameters_of(model)
     state = optimizer.state_dict()["state"]
     opt_state = {k: {n: t.clone() for n, t in s.items() if torch.is_tensor(t)} for k, s in state.items()}
     torch.save({"end": end, "opt_state": opt_state, **extra}, out / f"rank{rank}.pt")
@@ -253,9 +260,25 @@ def run_trainer() -> None:
     from tests.workers.lightning import DDPAdasumStrategy, pl
     from tests.workers.tiny import TinyModule
 
+    exits = {}  # the parameters a callback and the module see where fit ends
+
+    class RecordExits(pl.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            exits[f"callback.on_train_epoch_end.{trainer.current_epoch}"] = parameters_of(module)
+
+        def on_train_end(self, trainer, module):
+            exits["callback.on_train_end"] = parameters_of(module)
+
+    class Module(TinyModule):
+        def on_train_epoch_end(self):
+            exits[f"module.on_train_epoch_end.{self.current_epoch}"] = parameters_of(self)
+
+        def on_train_end(self):
+            exits["module.on_train_end"] = parameters_of(self)
+
     pl.seed_everything(100 + START_RANK)
-    module = TinyModule(lr=args.lr, momentum=args.momentum, optimizer=args.optimizer, n=SAMPLES,
-                        batch_size=BATCH, inf_rank=args.inf_rank, inf_step=args.inf_step)  # fmt: skip
+    module = Module(lr=args.lr, momentum=args.momentum, optimizer=args.optimizer, n=SAMPLES,
+                    batch_size=BATCH, inf_rank=args.inf_rank, inf_step=args.inf_step)  # fmt: skip
     plugins = None
     if args.fp16_scaler:
         plugins = [pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
@@ -264,6 +287,8 @@ def run_trainer() -> None:
         accelerator="cpu",
         devices=args.devices,
         max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        callbacks=[RecordExits()],
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip_norm if args.clip_value is None else args.clip_value,
         gradient_clip_algorithm="norm" if args.clip_value is None else "value",
@@ -276,7 +301,8 @@ def run_trainer() -> None:
     )
     trainer.fit(module)
     save(trainer.global_rank, module, trainer.optimizers[0], world_size=trainer.world_size,
-         steps=trainer.global_step, indices=module.record["indices"])  # fmt: skip
+         steps=trainer.global_step, indices=module.record["indices"], exits=exits,
+         start={k.removeprefix("net."): v for k, v in module.record["start"].items()})  # fmt: skip
 
 
 {"plain": run_plain, "fabric": run_fabric, "trainer": run_trainer}[args.form]()

@@ -3,12 +3,16 @@ with ``lightning.pytorch``, in real multi-process runs; the import rules; Lightn
 
 from __future__ import annotations
 
+import configparser
+import importlib.metadata
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from packaging.requirements import Requirement
 
 from adasum_lightning import _namespaces
 from tests.cases import Launch, case
@@ -276,3 +280,41 @@ def test_lightnings_own_errors_are_the_ones_docs_limits_quotes(package):
         assert lines[1].endswith(
             f"It must be either a string or an instance of `{package}.strategies.Strategy`."
         )
+
+
+#: Lightning releases compromised on the package index (GHSA-w37p-236h-pfx3): no requirement may admit them.
+COMPROMISED = ("2.6.2", "2.6.3")
+
+
+def compromised_admitted(requirements: list[str], where: str) -> list[str]:
+    """Each Lightning requirement among ``requirements`` that admits a compromised release (at least one
+    Lightning requirement must be among them)."""
+    lightning = [r for r in map(Requirement, requirements) if r.name in ("lightning", "pytorch-lightning")]
+    assert lightning, f"{where}: no Lightning requirement among {requirements}"
+    return [f"{where}: {r} admits {v}" for r in lightning for v in COMPROMISED if r.specifier.contains(v)]
+
+
+def test_no_declared_requirement_admits_the_compromised_lightning_releases(tmp_path):
+    from adasum_lightning.aml.errors import AmlUsageError
+    from adasum_lightning.aml.project import read_requirements
+    from adasum_lightning.aml.staging import IMAGE_EXTRA_REQUIREMENTS, constraints, image_dependencies
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    blocks = [cfg["options"]["install_requires"], *cfg["options.extras_require"].values()]
+    declared = [line for b in blocks for line in b.splitlines() if line and not line.startswith("#")]
+    compat = re.findall(r'"((?:pytorch-)?lightning==[^"]+)"', (ROOT / "Makefile").read_text())
+    image = [f"{name}{spec}" for name, specs in image_dependencies().items() for spec in specs]
+    admitted = [
+        *compromised_admitted(declared, "setup.cfg"),
+        *compromised_admitted(compat, "Makefile's compat matrix"),
+        *compromised_admitted(
+            importlib.metadata.requires("adasum-lightning") or [], "the installed adasum-lightning"
+        ),
+        *compromised_admitted([*image, *IMAGE_EXTRA_REQUIREMENTS], "the Azure ML image"),
+    ]
+    assert not admitted, "\n".join([*admitted, "(installed: older than setup.cfg? make setup reinstalls it)"])
+    # a project's own requirement cannot bring one into the image either
+    (tmp_path / "requirements.txt").write_text("lightning==2.6.2\n")
+    with pytest.raises(AmlUsageError, match="conflicts with adasum-lightning's own requirement lightning"):
+        read_requirements(tmp_path / "requirements.txt", constraints(), image_dependencies())

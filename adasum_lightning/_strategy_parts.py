@@ -131,7 +131,10 @@ def periodic_sync(
         outer = strategy.outer_optimizer(params)
         with reported_on_every_rank(strategy.global_rank):
             validation.check_outer_optimizer(
-                strategy.strategy_name, [id(p) for p in params], [id(p) for p in optimizer_parameters(outer)]
+                strategy.strategy_name,
+                [id(p) for p in params],
+                [id(p) for p in optimizer_parameters(outer)],
+                builder=True,
             )
     built = PeriodicSync(params, strategy.sync_every, strategy.combine, outer, timeout=timeout)
     if restored is not None:

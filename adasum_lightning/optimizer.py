@@ -119,6 +119,7 @@ class AdasumOptimizer(Optimizer):
                 "AdasumOptimizer",
                 [id(p) for p in optimizer_parameters(optimizer)],
                 [id(p) for p in optimizer_parameters(outer_optimizer)],
+                builder=False,
             )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(

@@ -598,26 +598,38 @@ def check_sync_every(
         )
 
 
+#: The outer optimizer as the strategies take it (``builder``), and as ``AdasumOptimizer`` takes it.
+_OUTER_OPTIMIZER_FORMS = {
+    True: "a callable such as functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True)",
+    False: "an optimizer over the same parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.1, "
+    "momentum=0.9, nesterov=True)",
+}
+
+
 def check_outer_optimizer_form(owner: str, outer: object, builder: bool) -> None:
     """``outer_optimizer`` of the strategies (``builder``) is a callable that builds the outer optimizer from
-    the parameters; of ``AdasumOptimizer``, an optimizer. None (no outer optimizer) is fine for both.
+    the parameters; of ``AdasumOptimizer``, an optimizer. None (no outer optimizer) is fine for both. An
+    optimizer class is neither: it would step with its default learning rate (SGD's 0.001).
 
     Raises:
-        AdasumConfigurationError: the other form, or neither; the message shows the right one.
+        AdasumConfigurationError: the other form, a class, or neither; the message shows the right one.
     """
     if outer is None:
         return
+    if isinstance(outer, type) and issubclass(outer, torch.optim.Optimizer):
+        raise AdasumConfigurationError(
+            f"{owner}'s outer_optimizer is the class {outer.__name__}, which would step with its default "
+            f"learning rate: pass {_OUTER_OPTIMIZER_FORMS[builder]}, the outer learning rate named"
+        )
     is_optimizer = isinstance(outer, torch.optim.Optimizer)
     if builder and (is_optimizer or not callable(outer)):
         raise AdasumConfigurationError(
             f"{owner}'s outer_optimizer builds the outer optimizer from an optimizer's parameters (one per "
-            "optimizer, at its first step): pass a callable such as functools.partial(torch.optim.SGD, "
-            f"lr=0.1, momentum=0.9, nesterov=True), got {type(outer).__name__}"
+            f"optimizer, at its first step): pass {_OUTER_OPTIMIZER_FORMS[True]}, got {type(outer).__name__}"
         )
     if not builder and not is_optimizer:
         raise AdasumConfigurationError(
-            f"{owner}'s outer_optimizer is an optimizer over the same parameters, e.g. torch.optim.SGD("
-            f"model.parameters(), lr=0.1, momentum=0.9, nesterov=True), got {type(outer).__name__}"
+            f"{owner}'s outer_optimizer is {_OUTER_OPTIMIZER_FORMS[False]}, got {type(outer).__name__}"
         )
 
 
@@ -631,19 +643,19 @@ def local_sgd_without_outer_message(owner: str, sync_every: int) -> str:
     )
 
 
-def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int]) -> None:
-    """The outer optimizer steps exactly the inner optimizer's parameters (``inner``, ``outer``: their ids).
+def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int], builder: bool) -> None:
+    """The outer optimizer steps exactly the inner optimizer's parameters (``inner``, ``outer``: their ids);
+    ``builder``: the strategies built it from them (else ``AdasumOptimizer`` was given it).
 
     Raises:
-        AdasumConfigurationError: naming how many parameters differ and how to build the outer optimizer.
+        AdasumConfigurationError: naming how many parameters differ and the form ``owner`` takes.
     """
     missing, extra = len(set(inner) - set(outer)), len(set(outer) - set(inner))
     if missing or extra:
         raise AdasumConfigurationError(
             f"{owner}: the outer optimizer must step the same parameters as the inner one ({missing} of the "
-            f"inner optimizer's parameters missing, {extra} others): build it over the same parameters (the "
-            "strategies build it from them: pass e.g. functools.partial(torch.optim.SGD, lr=0.1, "
-            "momentum=0.9, nesterov=True))."
+            f"inner optimizer's parameters missing, {extra} others): pass {_OUTER_OPTIMIZER_FORMS[builder]}"
+            f"{', which builds it from them' if builder else ''}."
         )
 
 

@@ -57,13 +57,20 @@ def test_sync_every_rule_names_the_accepted_values(sync_every, combine, overlap,
         check_sync_every(1, "adasum", "ddp_adasum", True, outer_optimizer=True)
 
 
-def test_outer_optimizer_rule_counts_the_parameters_that_differ():
-    check_outer_optimizer("x", [1, 2, 3], [3, 2, 1])
+def test_outer_optimizer_rule_counts_the_parameters_that_differ_and_names_the_owners_form():
+    check_outer_optimizer("x", [1, 2, 3], [3, 2, 1], builder=False)
     with pytest.raises(AdasumConfigurationError) as info:
-        check_outer_optimizer("AdasumOptimizer", [1, 2, 3], [1, 4])
-    assert str(info.value).startswith(
+        check_outer_optimizer("AdasumOptimizer", [1, 2, 3], [1, 4], builder=False)
+    assert str(info.value) == (
         "AdasumOptimizer: the outer optimizer must step the same parameters as the inner one (2 of the inner "
-        "optimizer's parameters missing, 1 others)"
+        "optimizer's parameters missing, 1 others): pass an optimizer over the same parameters, e.g. "
+        "torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)."
+    )
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_outer_optimizer("ddp_adasum", [1, 2], [3], builder=True)
+    assert str(info.value).endswith(
+        "pass a callable such as functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True), "
+        "which builds it from them."
     )
 
 
@@ -88,6 +95,21 @@ def test_outer_optimizer_form_rule_shows_the_form_each_owner_takes():
         check_outer_optimizer_form(
             "AdasumOptimizer", functools.partial(torch.optim.SGD, lr=0.1), builder=False
         )
+
+
+def test_an_optimizer_class_as_outer_optimizer_is_refused_naming_the_learning_rate():
+    # SGD's own default lr (0.001) would be the outer learning rate, silently
+    with pytest.raises(AdasumConfigurationError) as info:
+        DDPAdasumStrategy(sync_every=10, outer_optimizer=torch.optim.SGD)
+    assert str(info.value) == (
+        "ddp_adasum's outer_optimizer is the class SGD, which would step with its default learning rate: "
+        "pass a callable such as functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True), "
+        "the outer learning rate named"
+    )
+    with pytest.raises(
+        AdasumConfigurationError, match=r"^AdasumOptimizer's outer_optimizer is the class Adam, "
+    ):
+        check_outer_optimizer_form("AdasumOptimizer", torch.optim.Adam, builder=False)
 
 
 def test_sync_every_accepts_any_integer_type():

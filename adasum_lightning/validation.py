@@ -751,7 +751,8 @@ def check_mesh_options(
         raise AdasumConfigurationError(
             f"{owner}: with a mesh (Adasum across replica groups, FSDP2 inside each) every step is combined "
             f"by Adasum; {' and '.join(given)} is not supported there yet: drop it (sync_every=1, "
-            "combine='adasum', no outer_optimizer), or train without the mesh (unsharded, over all ranks)."
+            "combine='adasum', no outer_optimizer), or train unsharded over all ranks, where local SGD is "
+            "supported: ddp_adasum (Trainer, Fabric) or AdasumOptimizer without a mesh."
         )
 
 

@@ -10,6 +10,8 @@ with momentum on the whole model, and the groups' deltas are combined per parame
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -294,6 +296,24 @@ def test_mesh_options_rule(sync_every, combine, outer, given):
     with pytest.raises(AdasumConfigurationError) as info:
         check_mesh_options("AdasumOptimizer", sync_every, combine, outer)
     assert f"every step is combined by Adasum; {given} is not supported there yet: drop it" in str(info.value)
+
+
+@pytest.mark.parametrize("copy", ["adasum_lightning.trainer", "adasum_lightning.fabric"])
+def test_strategies_refuse_local_sgd_with_a_mesh_naming_ddp_adasum(copy):
+    import importlib
+
+    cls = importlib.import_module(copy).FSDPAdasumStrategy
+    with pytest.raises(AdasumConfigurationError) as info:
+        cls(sync_every=10)
+    assert str(info.value) == (
+        "fsdp_adasum: with a mesh (Adasum across replica groups, FSDP2 inside each) every step is combined "
+        "by Adasum; sync_every=10 is not supported there yet: drop it (sync_every=1, combine='adasum', no "
+        "outer_optimizer), or train unsharded over all ranks, where local SGD is supported: ddp_adasum "
+        "(Trainer, Fabric) or AdasumOptimizer without a mesh."
+    )
+    with pytest.raises(AdasumConfigurationError, match="combine='mean' and an outer_optimizer is not"):
+        cls(combine="mean", outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7))
+    assert cls(sync_every=1, combine="adasum", outer_optimizer=None).strategy_name == "fsdp_adasum"
 
 
 # ---------------------------------------------------------------------------------------------------------

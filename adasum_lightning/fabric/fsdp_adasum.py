@@ -95,6 +95,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         state_dict_type: ``"full"`` (the file described above) or ``"sharded"`` (``fabric.save`` writes a
             folder through ``torch.distributed.checkpoint``: every rank its shards, no gathering; it resumes
             on any mesh, replica group ``q`` taking saved group ``q mod R_old``'s optimizer state).
+        sync_every, combine, outer_optimizer: ``ddp_adasum``'s local SGD, refused with a mesh (use
+            ``ddp_adasum``).
 
     Raises:
         AdasumConfigurationError: on every rank, before the first step — a ``shard_size`` that does not
@@ -119,7 +121,11 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         shard_size: int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
         state_dict_type: str = "full",
+        sync_every: int = 1,
+        combine: str = "adasum",
+        outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
     ) -> None:
+        validation.check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

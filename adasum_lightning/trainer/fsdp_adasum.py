@@ -95,6 +95,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in bfloat16, the
             gradients reduced, the shards stepped and the deltas combined in float32).
         state_dict_type: ``"full"`` or ``"sharded"`` (above).
+        sync_every, combine, outer_optimizer: ``ddp_adasum``'s local SGD, refused with a mesh (use
+            ``ddp_adasum``).
 
     Raises:
         AdasumConfigurationError: when the processes start, a ``shard_size`` that does not divide the world
@@ -119,7 +121,11 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         shard_size: int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
         state_dict_type: str = "full",
+        sync_every: int = 1,
+        combine: str = "adasum",
+        outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
     ) -> None:
+        validation.check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from adasum_lightning.aml import cli, sdk_v1, sdk_v2
+from adasum_lightning.aml.job import experiment_name_for
 from adasum_lightning.aml.workspace import WorkspaceConfig
 from tests.aml_support import no_network  # noqa: F401  (fixture)
 from tests.helpers import ROOT
@@ -94,6 +95,19 @@ def test_v2_dry_run_has_the_users_command_data_and_requirements(strategy, projec
     assert code == [".amlignore", ".gitignore", "requirements.txt", "train.py"]
     assert (stage / "image" / "requirements.txt").read_text().split() == ["azureml-mlflow", "tqdm>=4.57"]
     assert job["display_name"] == f"train-{'adasum' if strategy == 'horovod_adasum' else 'ddp-adasum'}-8x4"
+    assert job["experiment_name"] == "project"  # the project's folder, not the bundled example's
+
+
+def test_the_experiment_is_named_after_the_project_unless_given(project):
+    for argv, expected in [
+        (_argv(project), "project"),
+        (_argv(project, "--experiment", "mine"), "mine"),
+        (["submit"], "adasum-lightning-mnist"),  # the bundled example
+    ]:
+        job, _ = cli.job_from_args(cli.parse_args(argv))
+        assert job.experiment_name == expected
+    assert experiment_name_for("_my project.v2") == "my-project-v2"  # as Azure ML accepts it
+    assert experiment_name_for("__") == "adasum-lightning-mnist"
 
 
 def test_v1_dry_run_binds_the_data_as_data_references(project, tmp_path, capsys):

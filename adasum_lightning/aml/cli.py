@@ -36,6 +36,7 @@ from adasum_lightning.aml.job import (
     DEFAULT_VM_SIZE,
     STRATEGIES,
     AmlJob,
+    experiment_name_for,
 )
 from adasum_lightning.aml.workspace import load_workspace_config, redact
 
@@ -208,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster", default=DEFAULT_CLUSTER, help=f"AmlCompute cluster name (default {DEFAULT_CLUSTER})"
     )
     p.add_argument(
-        "--experiment", default=DEFAULT_EXPERIMENT, help=f"experiment (default {DEFAULT_EXPERIMENT})"
+        "--experiment",
+        help=f"experiment (default: your project's folder name; {DEFAULT_EXPERIMENT} for the example)",
     )
     p.add_argument("--min-nodes", type=int, default=0, help="cluster minimum nodes (default 0: no idle cost)")
     p.add_argument("--max-nodes", type=int, default=None, help="cluster maximum nodes (default: --nodes)")
@@ -405,7 +407,7 @@ def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
     )
     job = AmlJob(
         strategy=args.strategy,
-        experiment_name=args.experiment,
+        experiment_name=args.experiment or experiment_name_for(source_dir.name if source_dir else None),
         compute_name=args.cluster,
         vm_size=args.vm_size,
         node_count=args.nodes,

@@ -153,6 +153,15 @@ DEFAULT_ENVIRONMENT_VARIABLES: Mapping[str, str] = MappingProxyType(
 
 _CLUSTER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]{1,14}[A-Za-z0-9]$")
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,254}$")
+
+
+def experiment_name_for(project: str | None) -> str:
+    """The experiment of a job without ``--experiment``: the project's folder name ``project`` (each character
+    Azure ML refuses as ``-``), or :data:`DEFAULT_EXPERIMENT` for the bundled example."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", project or "").lstrip("_-")[:255]
+    return name or DEFAULT_EXPERIMENT
+
+
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SECRET_RE = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|(^|_)KEY($|_)|CONNECTION_STRING|SAS", re.I)
 

@@ -95,13 +95,16 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         state_dict_type: ``"full"`` (the file described above) or ``"sharded"`` (``fabric.save`` writes a
             folder through ``torch.distributed.checkpoint``: every rank its shards, no gathering; it resumes
             on any mesh, replica group ``q`` taking saved group ``q mod R_old``'s optimizer state).
+        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece sent across the replica groups is
+            rounded to that dtype (as for ``ddp_adasum``).
 
     Raises:
         AdasumConfigurationError: on every rank, before the first step — a ``shard_size`` that does not
             divide the world size, a launcher ``WORLD_SIZE`` that ``devices × num_nodes`` does not describe, a
             module already wrapped in ``DistributedDataParallel`` or on several devices, an optimizer over
             parameters of the model before it was sharded, a full checkpoint of optimizer shards of another
-            mesh, ``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``.
+            mesh, ``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``; when built, an unknown
+            ``compression``.
     """
 
     strategy_name = "fsdp_adasum"
@@ -119,6 +122,7 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         shard_size: int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
         state_dict_type: str = "full",
+        compression: str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -134,6 +138,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         self.shard_size = shard_size
         self.mp_policy = mp_policy
         self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self.compression = compression
+        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
         self._device_mesh: DeviceMesh | None = None
         self._sharded_parameters: set[int] = set()  # ids of the parameters of the modules set up
 
@@ -204,7 +210,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
             local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(super().optimizer_step, optimizer, **kwargs)
         timeout = _compat.process_group_timeout(self)
-        return sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
+        groups = self.replicate_group, self.shard_group
+        return sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     @override

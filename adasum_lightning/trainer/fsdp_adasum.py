@@ -95,11 +95,14 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in bfloat16, the
             gradients reduced, the shards stepped and the deltas combined in float32).
         state_dict_type: ``"full"`` or ``"sharded"`` (above).
+        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece sent across the replica groups is
+            rounded to that dtype (as for ``ddp_adasum``).
 
     Raises:
         AdasumConfigurationError: when the processes start, a ``shard_size`` that does not divide the world
             size (:func:`adasum_lightning.validation.check_shard_size`); a ``state_dict_type`` other than
-            ``"full"``/``"sharded"``; at a resume, a full checkpoint of another mesh.
+            ``"full"``/``"sharded"``, an unknown ``compression``; at a resume, a full checkpoint of another
+            mesh.
     """
 
     strategy_name = "fsdp_adasum"
@@ -119,6 +122,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         shard_size: int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
         state_dict_type: str = "full",
+        compression: str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -135,6 +139,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         self.shard_size = shard_size
         self.mp_policy = mp_policy
         self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self.compression = compression
+        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
         self._sharded_path: Any = None  # the folder of the sharded checkpoint being restored
         self._device_mesh: DeviceMesh | None = None
 
@@ -180,7 +186,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
             local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(self._local_step, optimizer, closure, model, kwargs)
         timeout = _compat.process_group_timeout(self)
-        return sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
+        groups = self.replicate_group, self.shard_group
+        return sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -117,8 +117,8 @@ def prepare_unwrapped_module(strategy: Any, module: Module) -> None:
 def periodic_sync(
     strategy: Any, optimizer: Optimizer, restored: dict[str, Any] | None, timeout: timedelta | None
 ) -> PeriodicSync:
-    """``optimizer``'s local-SGD windows under ``strategy``'s ``sync_every``, ``combine`` and
-    ``outer_optimizer`` (None, or a callable that builds it from the parameters), restored from ``restored``.
+    """``optimizer``'s local-SGD windows under ``strategy``'s ``sync_every``, ``combine``, ``outer_optimizer``
+    (None, or a callable that builds it from the parameters) and ``wire_dtype``, restored from ``restored``.
 
     Raises:
         AdasumConfigurationError: on every rank, an outer optimizer over other parameters.
@@ -136,7 +136,9 @@ def periodic_sync(
                 [id(p) for p in optimizer_parameters(outer)],
                 builder=True,
             )
-    built = PeriodicSync(params, strategy.sync_every, strategy.combine, outer, timeout=timeout)
+    built = PeriodicSync(
+        params, strategy.sync_every, strategy.combine, outer, timeout=timeout, wire_dtype=strategy.wire_dtype
+    )
     if restored is not None:
         built.load_state_dict(restored)
     return built

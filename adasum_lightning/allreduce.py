@@ -25,7 +25,13 @@ import torch.distributed as dist
 
 from adasum_lightning.ops import ADASUM_NORM_EPS, is_power_of_two
 
-__all__ = ["adasum_allreduce", "adasum_allreduce_flat", "release_workspace", "workspace"]
+__all__ = [
+    "adasum_allreduce",
+    "adasum_allreduce_flat",
+    "mean_allreduce_flat",
+    "release_workspace",
+    "workspace",
+]
 
 #: Dtypes :func:`adasum_allreduce` reduces (Horovod's CPU Adasum has no bfloat16; this module does).
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,6 +54,7 @@ def adasum_allreduce(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None = None,
     timeout: timedelta | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Adasum allreduce of ``tensors`` across the ranks of ``group``, in place.
 
@@ -66,6 +73,7 @@ def adasum_allreduce(
         timeout: how long one exchange may wait for its peer on Gloo (default: torch's default process-group
             timeout, 30 minutes); pass the group's own. Without it a lost peer blocks until the kernel gives
             up the connection. Not used with NCCL, whose watchdog applies the group's timeout.
+        wire_dtype: None, or the dtype every sent piece is rounded to (see :func:`adasum_allreduce_flat`).
 
     Returns:
         The same tensors, as a list (``tensors`` itself when it is a list), reduced in place. An empty list
@@ -88,7 +96,7 @@ def adasum_allreduce(
         buckets.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad():
         for bucket in buckets.values():
-            _reduce_bucket(bucket, comm)
+            _reduce_bucket(bucket, comm, wire_dtype)
     return out
 
 
@@ -98,6 +106,7 @@ def adasum_allreduce_flat(
     group: dist.ProcessGroup | None = None,
     timeout: timedelta | None = None,
     on_final: Callable[[int, int], None] | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """:func:`adasum_allreduce` of tensors already packed back to back into one flat buffer, in place.
 
@@ -110,6 +119,9 @@ def adasum_allreduce_flat(
         on_final: called as ``on_final(start, length)`` for disjoint ranges that together cover ``flat``,
             each as soon as it holds the result, while other ranges may still be in flight (the local-SGD
             sync applies its update there); it must not write ``flat``.
+        wire_dtype: None, or a dtype (``torch.bfloat16``, ``torch.float16``) that every sent piece is rounded
+            to: the allreduce runs on a copy of ``flat`` in that dtype (each level's combination computed in
+            float64 and rounded once to it), and the result is copied back into ``flat``.
 
     Returns:
         ``flat``, reduced in place.
@@ -125,12 +137,52 @@ def adasum_allreduce_flat(
     if sum(counts) != flat.numel():
         raise ValueError(f"counts add up to {sum(counts)}, but the buffer holds {flat.numel()} elements")
     comm = _communicator(group, timeout) if flat.numel() else None
-    if comm is not None:
+    if comm is not None and wire_dtype not in (None, flat.dtype):
+        wire = workspace(flat.numel(), wire_dtype, flat.device, "wire").copy_(flat)
+
+        def copy_back(start: int, length: int) -> None:  # each final range into ``flat``, then reported
+            flat[start : start + length].copy_(wire[start : start + length])
+            if on_final is not None:
+                on_final(start, length)
+
+        adasum_allreduce_flat(wire, counts, group, timeout, copy_back)
+    elif comm is not None:
         with torch.no_grad():
             _reduce_flat(flat, list(counts), comm, on_final)
     elif on_final is not None and flat.numel():
         on_final(0, flat.numel())
     return flat
+
+
+def mean_allreduce_flat(
+    flat: torch.Tensor, group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The mean of a flat buffer over the ranks of ``group`` (every member calls it), in place.
+
+    Without ``wire_dtype``: ``all_reduce`` of the sum, divided by the size. With it (the same bits on every
+    rank): each rank sends ``flat`` rounded to ``wire_dtype``; ``all_to_all_single`` gives rank ``j`` the
+    ``j``-th of ``N`` equal parts of every rank's buffer, which it sums in float32 (float64 for a float64
+    buffer) in rank order, divides by ``N`` and rounds once to ``wire_dtype``; ``all_gather`` of those
+    parts gives every rank the whole mean, copied back into ``flat``.
+    """
+    size, n = dist.get_world_size(group), flat.numel()
+    if wire_dtype in (None, flat.dtype):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        return flat.div_(size)
+    part = -(-n // size)
+    wire = workspace(part * size, wire_dtype, flat.device, "wire")
+    wire[:n].copy_(flat)
+    wire[n:].zero_()
+    parts = workspace(part * size, wire_dtype, flat.device, "wire-parts")
+    dist.all_to_all_single(parts, wire, group=group)
+    rows = parts.view(size, part)
+    mean = workspace(part, torch.promote_types(flat.dtype, torch.float32), flat.device, "wire-mean")
+    mean.copy_(rows[0])
+    for row in rows[1:]:
+        mean.add_(row)
+    rows[0].copy_(mean.div_(size))
+    dist.all_gather(list(wire.view(size, part)), rows[0], group=group)
+    return flat.copy_(wire[:n])
 
 
 def release_workspace() -> None:
@@ -294,17 +346,18 @@ class _Exchange:
         self.sends = []
 
 
-def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm) -> None:
+def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm, wire_dtype: torch.dtype | None = None) -> None:
     counts = [t.numel() for t in bucket]
     total = sum(counts)
     if total == 0:
         return
     first = bucket[0]
-    if len(bucket) == 1 and first.is_contiguous():
+    dtype = wire_dtype or first.dtype
+    if len(bucket) == 1 and first.is_contiguous() and dtype == first.dtype:
         flat = first.view(-1)
         copy_back = False
     else:
-        flat = workspace(total, first.dtype, first.device, slot="flat")
+        flat = workspace(total, dtype, first.device, slot="flat")
         torch.cat([t.reshape(-1) for t in bucket], out=flat)
         copy_back = True
     _reduce_flat(flat, counts, comm)

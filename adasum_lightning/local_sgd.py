@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from adasum_lightning.allreduce import adasum_allreduce_flat, workspace
+from adasum_lightning.allreduce import adasum_allreduce_flat, mean_allreduce_flat, workspace
 from adasum_lightning.step import adasum_step, world_size
 
 __all__ = ["COMBINES", "PERIODIC_SYNC_STATES", "PeriodicSync"]
@@ -52,6 +52,8 @@ class PeriodicSync:
         outer_optimizer: None (θ_sync + combined Δ), or an optimizer over ``params`` that steps θ_sync with
             −(combined Δ) as the gradient.
         group, timeout: the process group (default: the default group) and how long one exchange waits.
+        wire_dtype: None, or the dtype every piece the combination sends is rounded to (``wire_dtype`` of
+            :mod:`adasum_lightning.allreduce`'s functions); θ_sync and the parameters keep their own dtype.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class PeriodicSync:
         outer_optimizer: Optimizer | None = None,
         group: dist.ProcessGroup | None = None,
         timeout: timedelta | None = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = list(params)
         self.sync_every = sync_every
@@ -69,6 +72,7 @@ class PeriodicSync:
         self.outer_optimizer = outer_optimizer
         self.group = group
         self.timeout = timeout
+        self.wire_dtype = wire_dtype
         #: Local steps since the last sync.
         self.steps = 0
         self._synced: list[torch.Tensor] | None = None if self.every_step else self._copy()
@@ -81,7 +85,7 @@ class PeriodicSync:
     def step(self, local_step: Callable[[], T]) -> T:
         """Run ``local_step`` (this rank's optimizer step); sync when it ends a window. Returns its value."""
         if self.every_step:
-            return adasum_step(self.params, local_step, self.group, self.timeout)
+            return adasum_step(self.params, local_step, self.group, self.timeout, self.wire_dtype)
         output = local_step()
         self.steps += 1
         if self.steps >= self.sync_every:
@@ -116,11 +120,11 @@ class PeriodicSync:
             if self.outer_optimizer is None and all(p.is_contiguous() for p in params):
                 apply = partial(_apply_deltas, params, synced, offsets, flat)
             if size > 1 and self.combine == "adasum":
-                adasum_allreduce_flat(flat, [p.numel() for p in params], self.group, self.timeout, apply)
+                counts = [p.numel() for p in params]
+                adasum_allreduce_flat(flat, counts, self.group, self.timeout, apply, self.wire_dtype)
             else:
                 if size > 1:
-                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-                    flat.div_(size)
+                    mean_allreduce_flat(flat, self.group, self.wire_dtype)
                 if apply is not None:
                     apply(0, offsets[-1])
             if apply is None:

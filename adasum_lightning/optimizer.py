@@ -73,14 +73,17 @@ class AdasumOptimizer(Optimizer):
             −(combined Δ) as the gradient of θ_sync (DiLoCo: Nesterov SGD, lr 0.7, momentum 0.9).
         mesh: None, or the 2-D device mesh ``("replicate", "shard")`` of a model sharded by FSDP2 over
             ``mesh["shard"]`` (then no ``process_group``).
+        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece the combination sends is rounded to
+            that dtype; the parameters and optimizer states keep theirs (docs/strategies.md, "Compression").
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is an ``AdasumOptimizer`` already), or
             ``timeout`` is not a ``timedelta``.
         RuntimeError: ``torch.distributed`` is not initialised; the message names the fix.
-        AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine``, an outer optimizer over other
-            parameters; with ``mesh``: a mesh that is not 2-D ``("replicate", "shard")``, parameters not
-            sharded over ``mesh["shard"]``, ``process_group``, or a local-SGD option.
+        AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine`` or ``compression``, an outer
+            optimizer over other parameters; with ``mesh``: a mesh that is not 2-D ``("replicate",
+            "shard")``, parameters not sharded over ``mesh["shard"]``, ``process_group``, or a local-SGD
+            option.
     """
 
     #: ``GradScaler.step`` then hands the scale and the inf/NaN flag to :meth:`step` (``grad_scale``,
@@ -96,6 +99,7 @@ class AdasumOptimizer(Optimizer):
         combine: str = "adasum",
         outer_optimizer: Optimizer | None = None,
         mesh: DeviceMesh | None = None,
+        compression: str | None = None,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -113,6 +117,7 @@ class AdasumOptimizer(Optimizer):
                 f"({type(timeout).__name__})"
             )
         validation.check_sync_every(sync_every, combine, "AdasumOptimizer")
+        self.wire_dtype = validation.check_wire_compression(compression, "AdasumOptimizer")
         validation.check_outer_optimizer_form("AdasumOptimizer", outer_optimizer, builder=False)
         if outer_optimizer is not None:
             validation.check_outer_optimizer(
@@ -182,7 +187,8 @@ class AdasumOptimizer(Optimizer):
             self._gradients_checked = True
             self._warn_if_gradients_identical(params)
         if self.replica_groups is not None:
-            return sharded_adasum_step(params, local_step, *self.replica_groups, self.timeout)
+            groups = self.replica_groups
+            return sharded_adasum_step(params, local_step, *groups, self.timeout, self.wire_dtype)
         return self._periodic.step(local_step)
 
     def sync(self) -> None:
@@ -193,7 +199,9 @@ class AdasumOptimizer(Optimizer):
     def _periodic_sync(self) -> PeriodicSync:
         sync_every, combine, outer = self._sync_options
         params = optimizer_parameters(self.optimizer)
-        return PeriodicSync(params, sync_every, combine, outer, self.process_group, self.timeout)
+        return PeriodicSync(
+            params, sync_every, combine, outer, self.process_group, self.timeout, self.wire_dtype
+        )
 
     def _warn_if_gradients_identical(self, params: list[torch.Tensor]) -> None:
         # One all_gather of two float64 numbers per rank (the sum and the sum of squares of the gradients),

@@ -490,6 +490,7 @@ def sharded_adasum_step(
     replicate_group: dist.ProcessGroup,
     shard_group: dist.ProcessGroup,
     timeout: timedelta | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> T:
     """Run ``local_step`` (this replica group's sharded optimizer step), then replace its update of ``params``
     by the Adasum of every replica group's update: ``θ := θ_before + Adasum(θ_after − θ_before)`` per whole
@@ -510,7 +511,9 @@ def sharded_adasum_step(
     **After the step the gradients of ``params`` are ``None``** (as after ``optimizer.zero_grad(
     set_to_none=True)``): they served as the receive buffer, so their values are gone; an optimizer must not
     keep the gradient tensors themselves in its state. With one replica group: ``local_step()`` alone, the
-    gradients untouched. Every rank must call this for the same parameters at the same step.
+    gradients untouched. Every rank must call this for the same parameters at the same step. ``wire_dtype``
+    (None, ``torch.bfloat16``, ``torch.float16``): every sent piece rounded to it (the deltas combined in a
+    copy of that dtype, the statistics and the combination in float64 as without it).
 
     Raises:
         AdasumConfigurationError: a parameter is not sharded over ``shard_group`` (see :func:`local_shards`).
@@ -538,7 +541,7 @@ def sharded_adasum_step(
             by_key.setdefault((t.dtype, t.device), []).append(i)
         for key, ids in by_key.items():
             bucket, grads = [shards[i] for i in ids], [receive[i] for i in ids]
-            _step_bucket(bucket, grads, befores[key], replicate_group, shard_group, timeout)
+            _step_bucket(bucket, grads, befores[key], replicate_group, shard_group, timeout, wire_dtype)
         for p in params:
             p.grad = None  # the partner's deltas are in them now: released, as zero_grad(set_to_none=True)
     return output
@@ -661,11 +664,13 @@ def _step_bucket(
     replicate_group: dist.ProcessGroup,
     shard_group: dist.ProcessGroup,
     timeout: timedelta | None,
+    wire_dtype: torch.dtype | None = None,
 ) -> None:
     """One dtype and device of :func:`sharded_adasum_step` after the local step: each local shard becomes
     its delta ``θ_after − θ_before`` in place (``before``: the flat θ_before), the deltas are combined across
     the replica groups (the partner's received into ``grads``, or the scratch slot where None; a shard that
-    is not contiguous works in the scratch slot too), and θ_before is added back."""
+    is not contiguous works in the scratch slot too; with ``wire_dtype``, in a flat copy of that dtype), and
+    θ_before is added back."""
     counts = [t.numel() for t in shards]
     scratch_numel = sum(
         n * ((not t.is_contiguous()) + (g is None)) for t, g, n in zip(shards, grads, counts, strict=True)
@@ -689,7 +694,13 @@ def _step_bucket(
         else:
             recv.append(scratch[used : used + n])
             used += n
-    _reduce_lists(own, recv, counts, before.device, replicate_group, shard_group, timeout)
+    if wire_dtype in (None, before.dtype):
+        _reduce_lists(own, recv, counts, before.device, replicate_group, shard_group, timeout)
+    else:
+        wire = workspace(sum(counts), wire_dtype, before.device, slot="wire")
+        _reduce_sharded(torch.cat(own, out=wire), counts, replicate_group, shard_group, timeout)
+        for o, w in zip(own, wire.split(counts), strict=True):
+            o.copy_(w)
     offset = 0
     for t, o, n in zip(shards, own, counts, strict=True):
         if not t.is_contiguous():  # its delta was combined in the scratch slot

@@ -68,6 +68,7 @@ def adasum_step(
     local_step: Callable[[], T],
     group: dist.ProcessGroup | None = None,
     timeout: timedelta | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> T:
     """Run ``local_step`` (this rank's optimizer step), then replace its update of ``params`` by the Adasum of
     every rank's update: ``θ := θ_before + Adasum(θ_after − θ_before over the ranks)``.
@@ -84,6 +85,8 @@ def adasum_step(
         local_step: runs the local step; its return value is returned.
         group: the process group (default: the default group); at world size 1, ``local_step()`` alone.
         timeout: how long one exchange waits for a peer (see :func:`adasum_lightning.adasum_allreduce`).
+        wire_dtype: None, or the dtype every sent piece is rounded to (see
+            :func:`adasum_lightning.allreduce.adasum_allreduce_flat`).
 
     Raises:
         TypeError: a parameter's dtype is not one the reduction supports (the message names it).
@@ -107,7 +110,8 @@ def adasum_step(
         for bucket, own, pieces, work in swapped:
             for start, piece in zip(own, pieces, strict=True):
                 torch.sub(piece, start, out=piece)  # θ_after − θ_before
-            adasum_allreduce_flat(work, [p.numel() for p in bucket], group=group, timeout=timeout)
+            counts = [p.numel() for p in bucket]
+            adasum_allreduce_flat(work, counts, group, timeout, wire_dtype=wire_dtype)
             for start, piece in zip(own, pieces, strict=True):
                 torch.add(start, piece, out=start)
     return output
@@ -148,6 +152,7 @@ class BackwardAdasumStep:
             ``dist.new_group(backend=dist.get_backend())``, built on every rank).
         bucket_bytes: a bucket is closed once it holds this many bytes or more.
         timeout: how long one exchange waits for a peer (see :func:`adasum_lightning.adasum_allreduce`).
+        wire_dtype: as for :func:`adasum_step`.
     """
 
     def __init__(
@@ -156,8 +161,9 @@ class BackwardAdasumStep:
         group: dist.ProcessGroup,
         bucket_bytes: int = 25 << 20,
         timeout: timedelta | None = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
-        self.optimizer, self.group, self.timeout = optimizer, group, timeout
+        self.optimizer, self.group, self.timeout, self.wire_dtype = optimizer, group, timeout, wire_dtype
         #: While True, a completed bucket steps and is reduced; backward passes outside a step (a gradient
         #: accumulation window, manual backward) leave the parameters alone.
         self.armed = True
@@ -267,7 +273,7 @@ class BackwardAdasumStep:
                 try:
                     if self._error is None:  # after a failed exchange the peers are not in step any more
                         adasum_allreduce_flat(
-                            bucket.work, bucket.counts, group=self.group, timeout=self.timeout
+                            bucket.work, bucket.counts, self.group, self.timeout, wire_dtype=self.wire_dtype
                         )
                         for start, piece in zip(bucket.own, bucket.pieces, strict=True):
                             torch.add(start, piece, out=start)

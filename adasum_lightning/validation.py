@@ -49,6 +49,8 @@ __all__ = [
     "check_skipped_backward_passes",
     "check_overlap_backward",
     "check_compression",
+    "WIRE_DTYPES",
+    "check_wire_compression",
     "check_sync_every",
     "check_no_local_sgd",
     "check_outer_optimizer_form",
@@ -220,6 +222,24 @@ def check_compression(compression: str) -> str:
     if compression not in ("none", "fp16"):
         raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
     return compression
+
+
+#: ``compression`` of ``ddp_adasum``, ``fsdp_adasum`` and ``AdasumOptimizer``: the dtype of every sent piece.
+WIRE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_wire_compression(compression: object, owner: str) -> torch.dtype | None:
+    """``compression``: None (off), ``"bf16"`` or ``"fp16"``; returns the wire dtype (None: off).
+
+    Raises:
+        AdasumConfigurationError: any other value; the message names the accepted ones.
+    """
+    if compression not in (None, *WIRE_DTYPES):
+        raise AdasumConfigurationError(
+            f"{owner}'s compression is None (off), 'bf16' or 'fp16' (every piece the combination sends "
+            f"rounded to bfloat16 or float16), got {compression!r}"
+        )
+    return None if compression is None else WIRE_DTYPES[compression]
 
 
 def check_gradient_predivide_factor(factor: float) -> None:

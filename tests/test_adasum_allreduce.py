@@ -107,13 +107,7 @@ def test_equals_the_reference_on_every_rank(np, prefix_groups, cases):
             assert torch.equal(res["single"][path], ranks[0]["single"][path])
         # adasum_allreduce_flat's on_final: disjoint ranges covering the buffer, each final when reported
         for path in (0, 1):
-            final = res["final_ranges"][path]
-            assert torch.equal(final["flat"], res["single"][path]), (r, path)
-            covered = torch.zeros(final["flat"].numel(), dtype=torch.int64)
-            for start, length, values in final["seen"]:
-                covered[start : start + length] += 1
-                assert torch.equal(values, final["flat"][start : start + length]), (r, path, start)
-            assert torch.equal(covered, torch.ones_like(covered)), (r, path)
+            assert_final_when_reported(res["final_ranges"][path], res["single"][path], (r, path))
         # sub-group of ranks 1 … np-1; rank 0 is not in it and keeps its tensors
         if r == 0:
             for before, after in zip(res["sub_inputs"], res["sub_outputs"], strict=True):
@@ -123,6 +117,49 @@ def test_equals_the_reference_on_every_rank(np, prefix_groups, cases):
                 expected = adasum_reduce([ranks[k]["sub_inputs"][i] for k in range(1, np)])
                 assert rel_err(after, expected) <= REL_TOL[str(after.dtype)], (r, i)
                 assert torch.equal(after, ranks[1]["sub_outputs"][i])
+
+
+def assert_final_when_reported(final: dict, expected: torch.Tensor, what: tuple) -> None:
+    """``final_ranges``' buffer equals ``expected``, and ``on_final`` saw disjoint ranges covering it, each
+    holding its final values when reported."""
+    assert torch.equal(final["flat"], expected), what
+    covered = torch.zeros(final["flat"].numel(), dtype=torch.int64)
+    for start, length, values in final["seen"]:
+        covered[start : start + length] += 1
+        assert torch.equal(values, final["flat"][start : start + length]), (*what, start)
+    assert torch.equal(covered, torch.ones_like(covered)), what
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("np", "prefix_groups"),
+    [pytest.param(np, list(k), marks=pytest.mark.cases(c)) for (np, k), c in GLOO.items()],
+)
+def test_a_16_bit_wire_equals_the_reference_of_rounded_inputs_on_every_rank(np, prefix_groups, cases):
+    """``wire_dtype`` (``compression``): the Adasum is ``ops.adasum_reduce`` of the inputs rounded to the wire
+    dtype (each level rounded to it); the mean sums the rounded inputs in float32 in rank order, divides by
+    N and rounds once. Both bitwise on every rank, and not what a float32 wire gives."""
+    ranks = cases[GLOO[np, tuple(prefix_groups)]].ranks
+    for wire in (torch.bfloat16, torch.float16):
+        dt = str(wire)
+        inputs = [res["wire"][dt]["inputs"] for res in ranks]
+        adasum = [adasum_reduce([x[i].to(wire) for x in inputs]).float() for i in range(len(inputs[0]))]
+        flat = [torch.cat([t.reshape(-1) for t in x]).to(wire) for x in inputs]
+        total = flat[0].float()
+        for x in flat[1:]:
+            total = total + x.float()
+        mean = (total / np).to(wire).float()
+        large = adasum[-1]
+        assert rel_err(large, adasum_reduce([x[-1] for x in inputs])) > REL_TOL["torch.float32"], dt
+        for r, res in enumerate(ranks):
+            got = res["wire"][dt]
+            for path in ("tree", "halving"):
+                assert torch.equal(got["flat"][path], torch.cat([a.reshape(-1) for a in adasum])), (dt, r)
+            assert torch.equal(got["mean"], mean), (dt, r)
+            for i, out in enumerate(got["list"]):
+                assert torch.equal(out, adasum[i]), (dt, r, i)
+            for path in (0, 1):
+                assert_final_when_reported(got["final_ranges"][path], large, (dt, r, path))
 
 
 HOROVOD = {np: case(Launch("horovodrun", np), f"adasum_allreduce-horovod-{np}", "adasum_allreduce", "horovod")

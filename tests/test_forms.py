@@ -264,8 +264,12 @@ def batches_of_every_rank(world_size: int, epochs: int = 2) -> list[list[tuple[t
     return every_rank
 
 
-def local_sgd_reference(start: dict, rank_batches: list, sync_every: int, combine: str, outer_lr: float):
-    """The algorithm written out in one process: each worker's parameters after each of its steps."""
+def local_sgd_reference(
+    start: dict, rank_batches: list, sync_every: int, combine: str, outer_lr: float, wire=None
+):
+    """The algorithm written out in one process: each worker's parameters after each of its steps. ``wire``
+    (a dtype, ``compression``): every sent piece rounded to it — the Adasum of the rounded pseudo-gradients
+    (each level rounded), or their float32 mean rounded once."""
     from adasum_lightning.ops import adasum_reduce
     from tests.workers.samples import tiny_net
 
@@ -282,8 +286,9 @@ def local_sgd_reference(start: dict, rank_batches: list, sync_every: int, combin
     def sync() -> None:
         params = [list(m.parameters()) for m in models]
         for i, s in enumerate(synced):
-            deltas = [worker[i].detach() - s for worker in params]
-            combined = adasum_reduce(deltas) if combine == "adasum" else (deltas[0] + deltas[1]) / 2
+            deltas = [(worker[i].detach() - s).to(wire or s.dtype) for worker in params]
+            combined = adasum_reduce(deltas) if combine == "adasum" else (deltas[0].float() + deltas[1]) / 2
+            combined = combined.to(wire or s.dtype).float()
             if outer_lr:
                 outer_params[i].data.copy_(s)
                 outer_params[i].grad = -combined
@@ -370,6 +375,45 @@ def test_the_benchmarks_simulator_equals_real_ranks(key, cases):
     for r, res in enumerate(ranks):
         got = res["trace"][14]  # after step 15, the fifth sync
         assert torch.allclose(got, simulated, rtol=1e-5, atol=1e-6), (key, r, (got - simulated).abs().max())
+
+
+WIRE_OPTIONS = ("--compression", "bf16", "--momentum", "0.9")
+WIRE = {
+    (1, "adasum", 0.0): forms("forms-wire-bf16-every-step", 2, *WIRE_OPTIONS),
+    (3, "adasum", 0.0): tuple(
+        form("forms-wire-bf16-local-sgd-adasum", kind, 2, *WIRE_OPTIONS, "--sync-every", "3")
+        for kind in ("plain", "trainer")
+    ),
+    (3, "mean", 0.7): tuple(
+        form("forms-wire-bf16-local-sgd-mean-outer", kind, 2, *WIRE_OPTIONS, "--sync-every", "3",
+             "--combine", "mean", "--outer-lr", "0.7")
+        for kind in ("plain", "fabric")
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key", [pytest.param(k, marks=pytest.mark.cases(*c), id="-".join(map(str, k))) for k, c in WIRE.items()]
+)
+def test_a_bf16_wire_equals_the_algorithm_written_out_with_every_sent_piece_rounded(key, cases):
+    # compression="bf16": AdasumOptimizer, Fabric's and the Trainer's ddp_adasum train the same parameters;
+    # every rank's trace equals the reference whose pseudo-gradients are rounded to bfloat16 (to float32
+    # round-off, far closer than to the float32 wire's), identical on the ranks at every sync
+    plain, *others = (trained(cases[c]) for c in WIRE[key])
+    for other in others:
+        assert_same_training(plain, other, f"{key}: a strategy vs plain")
+    rank_batches = batches_of_every_rank(2)
+    reference, end = local_sgd_reference(plain[0]["start"], rank_batches, *key, wire=torch.bfloat16)
+    float32_wire, _ = local_sgd_reference(plain[0]["start"], rank_batches, *key)
+    for r, res in enumerate(plain):
+        got, want = torch.stack(res["trace"]), torch.stack(reference[r])
+        off = (got - torch.stack(float32_wire[r])).abs().max()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (key, r, (got - want).abs().max(), off)
+        assert off > 1e-4, (key, r, off)
+        got_end = torch.cat([t.reshape(-1) for t in res["end"].values()])
+        assert torch.allclose(got_end, end, rtol=1e-5, atol=1e-6), (key, r, (got_end - end).abs().max())
+    for k in range(key[0] - 1, 16, key[0]):
+        assert torch.equal(plain[0]["trace"][k], plain[1]["trace"][k]), (key, k)
 
 
 #: 4 plain ranks in the 4-rank torchrun launch of tests/test_fsdp_adasum.py (one launch for both files).

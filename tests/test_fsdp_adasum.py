@@ -163,6 +163,23 @@ def test_sharded_training_equals_the_unsharded_algorithm(groups, shard_size, cas
         assert ranks[0]["local"]["2.weight"].shape == (4 // shard_size, 16)
 
 
+WIRE = case(FOUR, "fsdp-train-2x2-wire-bf16", "fsdp", "train", "--shard-size", "2", "--compression", "bf16")
+
+
+@pytest.mark.cases(WIRE)
+def test_a_bf16_wire_equals_the_unsharded_algorithm_with_rounded_deltas(cases):
+    # compression="bf16" with a mesh: the Adasum of the replica groups' deltas rounded to bfloat16 (each level
+    # rounded), identical in every group, closer to that reference than to the float32 wire's
+    ranks = cases[WIRE].ranks
+    expected = reference(ranks, 2, lambda ds: adasum_reduce([d.to(torch.bfloat16) for d in ds]).float())
+    float32_wire = reference(ranks, 2)
+    for r, res in enumerate(ranks):
+        assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+        assert max_difference(res["end"], float32_wire) > 1e-5, (r, max_difference(res["end"], float32_wire))
+        for k, shard in res["local"].items():
+            assert torch.equal(shard, ranks[(r + 2) % 4]["local"][k]), (r, k)  # the replica of this shard
+
+
 @pytest.mark.cases(TRAIN[4, 1])
 def test_shard_groups_of_one_rank_train_as_the_optimizer_without_a_mesh_bitwise(cases):
     for r, res in enumerate(cases[TRAIN[4, 1]].ranks):

@@ -19,9 +19,10 @@ from adasum_lightning.validation import (
     check_outer_optimizer,
     check_outer_optimizer_form,
     check_sync_every,
+    check_wire_compression,
     local_sgd_without_outer_message,
 )
-from tests.workers.lightning import PACKAGE, DDPAdasumStrategy, HorovodAdasumStrategy
+from tests.workers.lightning import PACKAGE, DDPAdasumStrategy, HorovodAdasumStrategy, adasum_strategies
 
 #: This project's Fabric strategies for the Lightning package under test.
 FABRIC = "adasum_lightning.fabric" if PACKAGE == "pytorch_lightning" else "adasum_lightning.lightning.fabric"
@@ -141,6 +142,29 @@ def test_strategies_refuse_local_sgd_settings_when_built():
     model = torch.nn.Linear(3, 2)
     with pytest.raises(AdasumConfigurationError, match="pass a callable such as functools.partial"):
         fabric.DDPAdasumStrategy(sync_every=4, outer_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_compression_rule_names_the_accepted_values_and_every_owner_applies_it(one_process_group):
+    assert check_wire_compression(None, "ddp_adasum") is None
+    assert check_wire_compression("bf16", "ddp_adasum") == torch.bfloat16
+    assert check_wire_compression("fp16", "ddp_adasum") == torch.float16
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_wire_compression("none", "ddp_adasum")  # Horovod's spelling of off
+    assert str(info.value) == (
+        "ddp_adasum's compression is None (off), 'bf16' or 'fp16' (every piece the combination sends rounded "
+        "to bfloat16 or float16), got 'none'"
+    )
+    fabric = importlib.import_module(FABRIC)
+    owners = [DDPAdasumStrategy, adasum_strategies.FSDPAdasumStrategy, fabric.DDPAdasumStrategy,
+              fabric.FSDPAdasumStrategy]  # fmt: skip
+    for owner in owners:
+        assert owner(compression="bf16").wire_dtype == torch.bfloat16
+        refused = r"^\w+_adasum's compression is None .*got 'int8'$"
+        with pytest.raises(AdasumConfigurationError, match=refused):
+            owner(compression="int8")
+    sgd = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    with pytest.raises(AdasumConfigurationError, match="^AdasumOptimizer's compression is None"):
+        AdasumOptimizer(sgd, compression="float16")
 
 
 @pytest.fixture

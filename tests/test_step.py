@@ -8,6 +8,7 @@ completed in a different order on each rank."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.cases import Launch, case
 from tests.helpers import assert_ranks_identical
@@ -37,4 +38,19 @@ def test_the_step_equals_the_reference_step_bitwise(np, optimizer, cases):
             "the optimizer's trainable parameters changed (requires_grad set or cleared, or a param group "
             "added) since this BackwardAdasumStep was built"
         ), r
+    assert_ranks_identical(ranks)
+
+
+WIRE = case(Launch("torchrun", 2), "step-paths-2-sgd-bf16", "step_paths", "sgd", "bf16")
+
+
+@pytest.mark.cases(WIRE, STEPS[2, "sgd"])
+def test_a_bf16_wire_gives_the_same_bits_on_every_path(cases):
+    # adasum_step, BackwardAdasumStep (ddp_adasum's overlap_backward) and the step written out with
+    # adasum_allreduce(wire_dtype=torch.bfloat16): the same parameters, not those of the float32 wire
+    ranks = cases[WIRE].ranks
+    for r, res in enumerate(ranks):
+        assert all(res["identical"].values()) and all(res["identical_backward"].values()), r
+        uncompressed = cases[STEPS[2, "sgd"]].ranks[r]["end"]
+        assert not any(torch.equal(v, uncompressed[k]) for k, v in res["end"].items() if "frozen" not in k), r
     assert_ranks_identical(ranks)

@@ -60,11 +60,14 @@ class DDPAdasumStrategy(DDPStrategy):
         sync_every, combine, outer_optimizer: local SGD / DiLoCo, as for the Trainer's ``ddp_adasum``; a
             window ends early at ``fabric.save``. Call ``fabric.strategy.end_windows()`` (every rank) before
             evaluating mid-window.
+        compression: None (off), ``"bf16"`` or ``"fp16"``: the dtype of every sent piece, as for the
+            Trainer's ``ddp_adasum``.
 
     Raises:
-        AdasumConfigurationError: on every rank, before the first step — a launcher ``WORLD_SIZE`` that
-            ``devices × num_nodes`` does not describe, a module on several devices or already wrapped in
-            ``DistributedDataParallel``, ``SyncBatchNorm`` layers on CPU.
+        AdasumConfigurationError: an unknown ``combine`` or ``compression``; on every rank, before the first
+            step — a launcher ``WORLD_SIZE`` that ``devices × num_nodes`` does not describe, a module on
+            several devices or already wrapped in ``DistributedDataParallel``, ``SyncBatchNorm`` layers on
+            CPU.
     """
 
     strategy_name = "ddp_adasum"
@@ -82,6 +85,7 @@ class DDPAdasumStrategy(DDPStrategy):
         sync_every: int = 1,
         combine: str = "adasum",
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
+        compression: str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -99,6 +103,8 @@ class DDPAdasumStrategy(DDPStrategy):
         self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
+        self.compression = compression
+        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
         self._periodic: dict[int, PeriodicSync] = {}  # per optimizer (by id), in the order of first steps
         self._restored_periodic: list[dict[str, Any]] = []
 

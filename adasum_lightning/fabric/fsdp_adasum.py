@@ -97,13 +97,16 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
             on any mesh, replica group ``q`` taking saved group ``q mod R_old``'s optimizer state).
         sync_every, combine, outer_optimizer: ``ddp_adasum``'s local SGD, refused with a mesh (use
             ``ddp_adasum``).
+        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece sent across the replica groups is
+            rounded to that dtype (as for ``ddp_adasum``).
 
     Raises:
         AdasumConfigurationError: on every rank, before the first step — a ``shard_size`` that does not
             divide the world size, a launcher ``WORLD_SIZE`` that ``devices × num_nodes`` does not describe, a
             module already wrapped in ``DistributedDataParallel`` or on several devices, an optimizer over
             parameters of the model before it was sharded, a full checkpoint of optimizer shards of another
-            mesh, ``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``.
+            mesh, ``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``; when built, an unknown
+            ``compression``.
     """
 
     strategy_name = "fsdp_adasum"
@@ -124,6 +127,7 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         sync_every: int = 1,
         combine: str = "adasum",
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
+        compression: str | None = None,
     ) -> None:
         validation.check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
         super().__init__(
@@ -140,6 +144,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         self.shard_size = shard_size
         self.mp_policy = mp_policy
         self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self.compression = compression
+        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
         self._device_mesh: DeviceMesh | None = None
         self._sharded_parameters: set[int] = set()  # ids of the parameters of the modules set up
 
@@ -210,7 +216,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
             local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(super().optimizer_step, optimizer, **kwargs)
         timeout = _compat.process_group_timeout(self)
-        return sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
+        groups = self.replicate_group, self.shard_group
+        return sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     @override

@@ -70,11 +70,14 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         outer_optimizer: None (θ_sync + combined Δ), or a callable that builds the outer optimizer from an
             optimizer's parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
             nesterov=True)`` (DiLoCo's).
+        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece the combination sends (the Adasum
+            allreduce, the mean) is rounded to that dtype; dot products, norms and the combination stay
+            float32/float64, the parameters and optimizer states float32 (docs/strategies.md, "Compression").
 
     Raises:
         ValueError: an invalid ``lr_scaling``, ``uneven_inputs``, ``overlap_backward`` or ``bucket_cap_mb``.
-        AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine``, ``overlap_backward`` with local
-            SGD; at the first step, an outer optimizer over other parameters.
+        AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine`` or ``compression``,
+            ``overlap_backward`` with local SGD; at the first step, an outer optimizer over other parameters.
     """
 
     strategy_name = "ddp_adasum"
@@ -96,6 +99,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         sync_every: int = 1,
         combine: str = "adasum",
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
+        compression: str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -119,6 +123,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
+        self.compression = compression
+        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
         # per optimizer (by id): its local-SGD windows; the checkpoint's states until they are built
         self._periodic: dict[int, PeriodicSync] = {}
         self._restored_periodic: list[dict[str, Any]] | None = None
@@ -218,9 +224,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             return None
         assert self._overlap_group is not None
         bucket_bytes = int(self.bucket_cap_mb * 2**20)
-        step = BackwardAdasumStep(
-            optimizer, self._overlap_group, bucket_bytes, _compat.process_group_timeout(self)
-        )
+        timeout = _compat.process_group_timeout(self)
+        step = BackwardAdasumStep(optimizer, self._overlap_group, bucket_bytes, timeout, self.wire_dtype)
         step.armed = False  # only the backward inside optimizer_step steps (not an accumulation window's)
         self._backward_steps[key] = step
         return step

@@ -97,11 +97,14 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         state_dict_type: ``"full"`` or ``"sharded"`` (above).
         sync_every, combine, outer_optimizer: ``ddp_adasum``'s local SGD, refused with a mesh (use
             ``ddp_adasum``).
+        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece sent across the replica groups is
+            rounded to that dtype (as for ``ddp_adasum``).
 
     Raises:
         AdasumConfigurationError: when the processes start, a ``shard_size`` that does not divide the world
             size (:func:`adasum_lightning.validation.check_shard_size`); a ``state_dict_type`` other than
-            ``"full"``/``"sharded"``; at a resume, a full checkpoint of another mesh.
+            ``"full"``/``"sharded"``, an unknown ``compression``; at a resume, a full checkpoint of another
+            mesh.
     """
 
     strategy_name = "fsdp_adasum"
@@ -124,6 +127,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         sync_every: int = 1,
         combine: str = "adasum",
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
+        compression: str | None = None,
     ) -> None:
         validation.check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
         super().__init__(
@@ -141,6 +145,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         self.shard_size = shard_size
         self.mp_policy = mp_policy
         self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self.compression = compression
+        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
         self._sharded_path: Any = None  # the folder of the sharded checkpoint being restored
         self._device_mesh: DeviceMesh | None = None
 
@@ -186,7 +192,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
             local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(self._local_step, optimizer, closure, model, kwargs)
         timeout = _compat.process_group_timeout(self)
-        return sharded_adasum_step(params, local_step, self.replicate_group, self.shard_group, timeout)
+        groups = self.replicate_group, self.shard_group
+        return sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

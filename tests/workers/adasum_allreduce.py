@@ -6,7 +6,10 @@ usage:
       four buckets), one call with a single contiguous tensor, one over the sub-group of ranks 1 … N-1
       (rank 0 is no member and calls too), and for each K one with every case over ranks 0 … K-1; the
       calls with every case and the single tensor run through both paths (binomial tree and halving), and
-      the single tensor once more through ``adasum_allreduce_flat``, recording what ``on_final`` reports.
+      the single tensor once more through ``adasum_allreduce_flat``, recording what ``on_final`` reports;
+      then each 16-bit wire dtype: the float32 cases and the single tensor in one flat buffer through
+      ``adasum_allreduce_flat`` (both paths) and ``mean_allreduce_flat``, the cases through
+      ``adasum_allreduce`` (the default path), and the single tensor's ``on_final`` ranges.
   horovodrun -np N python -m tests.workers.adasum_allreduce OUT_DIR horovod
       Horovod plus a Gloo group of the same ranks: Horovod's own Adasum allreduce per tensor, then
       ``adasum_allreduce`` of the same inputs in one call.
@@ -92,7 +95,7 @@ def forced(path: str) -> Iterator[None]:
         ar.TREE_MAX_BYTES, ar.GLOO_PIECE_BYTES = saved
 
 
-def final_ranges(rank: int, path: str) -> dict:
+def final_ranges(rank: int, path: str, wire_dtype: torch.dtype | None = None) -> dict:
     """``adasum_allreduce_flat`` of :func:`large` with ``on_final``: the buffer after the call and each
     reported ``(start, length, the range's values when reported)``."""
     flat = large(rank)
@@ -102,8 +105,25 @@ def final_ranges(rank: int, path: str) -> dict:
         seen.append((start, length, flat[start : start + length].clone()))
 
     with forced(path):
-        ar.adasum_allreduce_flat(flat, [flat.numel()], on_final=on_final)
+        ar.adasum_allreduce_flat(flat, [flat.numel()], on_final=on_final, wire_dtype=wire_dtype)
     return {"flat": flat, "seen": seen}
+
+
+def wire_calls(rank: int, wire_dtype: torch.dtype) -> dict:
+    """The float32 cases and :func:`large`, reduced with every sent piece rounded to ``wire_dtype``: as one
+    flat buffer by ``adasum_allreduce_flat`` (each path) and ``mean_allreduce_flat``, as a list of the cases
+    by ``adasum_allreduce``; the inputs and the results."""
+    tensors = [t for t in cases(rank, torch.float32).values() if t.numel()] + [large(rank)]
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    counts = [t.numel() for t in tensors]
+    out = {"inputs": tensors, "flat": {}}
+    for path in PATHS:
+        with forced(path):
+            out["flat"][path] = ar.adasum_allreduce_flat(flat.clone(), counts, wire_dtype=wire_dtype)
+    out["mean"] = ar.mean_allreduce_flat(flat.clone(), wire_dtype=wire_dtype)
+    out["list"] = adasum_allreduce([t.clone() for t in tensors[:-1]], wire_dtype=wire_dtype)
+    out["final_ranges"] = [final_ranges(rank, path, wire_dtype) for path in PATHS]
+    return out
 
 
 def all_cases_call(rank: int, path: str, group: dist.ProcessGroup | None = None) -> dict:
@@ -139,6 +159,7 @@ def gloo(out_dir: Path, prefix_groups: list[int]) -> None:
         result["single"].append(single)
         result["single_same_memory"].append(single.data_ptr() == ptr and ret[0] is single)
     result["final_ranges"] = [final_ranges(rank, path) for path in PATHS]
+    result["wire"] = {str(dt): wire_calls(rank, dt) for dt in (torch.bfloat16, torch.float16)}
     # A sub-group: ranks 1 … size-1 (rank 0 is not a member; it calls too and nothing happens).
     sub = dist.new_group(list(range(1, size)))
     sub_tensors = [

@@ -58,6 +58,7 @@ p.add_argument("--sync-every", type=int, default=1, help="local SGD: optimizer s
 p.add_argument("--combine", default="adasum", choices=("adasum", "mean"))
 p.add_argument("--outer-lr", type=float, default=0.0, help="> 0: an outer Nesterov SGD (momentum 0.9)")
 p.add_argument("--strategy-kwargs", type=json.loads, default={}, help="more local-SGD arguments (JSON)")
+p.add_argument("--compression", default=None, choices=("bf16", "fp16"), help="the wire dtype of the combine")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -76,14 +77,16 @@ def make_optimizer(params):
 
 
 def local_sgd() -> dict:
-    """The local-SGD arguments of AdasumOptimizer and of the strategies (empty: every step)."""
+    """The local-SGD and compression arguments of AdasumOptimizer and of the strategies (empty: every step,
+    no compression)."""
+    wire = {"compression": args.compression} if args.compression else {}
     if args.sync_every == 1 and args.combine == "adasum" and not args.outer_lr and not args.strategy_kwargs:
-        return {}
+        return wire
     outer = None
     if args.outer_lr:
         outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True)
     return {"sync_every": args.sync_every, "combine": args.combine, "outer_optimizer": outer,
-            **args.strategy_kwargs}  # fmt: skip
+            **wire, **args.strategy_kwargs}  # fmt: skip
 
 
 def dataset() -> IndexedData:

@@ -9,8 +9,9 @@ usage: torchrun --nproc-per-node N -m tests.workers.fsdp OUT {train,allreduce,re
   ``(t·N + r)·4 … +3`` of ``IndexedData(64)`` (another batch on every rank). Saves the full parameters at the
   start and the end, the local shards of the parameters and of the momentum, the batches and the
   AdasumOptimizer warnings (``--same-data-per-group``: every group reads group 0's batches; ``--bf16``:
-  ``fully_shard(..., mp_policy=MixedPrecisionPolicy(bfloat16, float32))``), the bytes of the buffers the
-  Adasum step keeps beside those of this rank's shards of the parameters, and whether the sharded gradients
+  ``fully_shard(..., mp_policy=MixedPrecisionPolicy(bfloat16, float32))``; ``--compression``: the
+  optimizer's), the bytes of the buffers the Adasum step keeps beside those of this rank's shards of the
+  parameters, and whether the sharded gradients
   were released (None) after each step (they receive the partner's deltas). With S = 1 the
   same training also runs unsharded with ``AdasumOptimizer`` (no mesh), saved as ``plain_end``.
 - ``allreduce``: ``adasum_allreduce_sharded`` of a float32 (5, 3), a float32 (1, 3) (an empty shard beyond
@@ -43,6 +44,7 @@ p.add_argument("job", choices=("train", "allreduce", "refusals"))
 p.add_argument("--shard-size", type=int, default=2)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--bf16", action="store_true", help="FSDP2's MixedPrecisionPolicy(bfloat16, reduce float32)")
+p.add_argument("--compression", default=None, choices=("bf16", "fp16"))
 p.add_argument(
     "--same-data-per-group", action="store_true", help="every replica group reads group 0's batches"
 )
@@ -113,7 +115,8 @@ def run_train() -> dict:
         with torch.no_grad():
             for q in net.parameters():
                 q.to_local().add_(1.0)
-    optimizer = AdasumOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM), mesh=mesh)
+    sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    optimizer = AdasumOptimizer(sgd, mesh=mesh, compression=args.compression)
     start = full(net, mesh)
     release_workspace()  # an earlier case's buffers of this process: count this training's alone
     released: list[bool] = []

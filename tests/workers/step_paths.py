@@ -1,7 +1,7 @@
 """Worker (torchrun): ``adasum_step`` and the bucket-by-bucket step during backward
 (``BackwardAdasumStep``) against the reference step, bitwise, on every rank; OUT/rank{r}.pt.
 
-usage: torchrun --nproc-per-node N -m tests.workers.step_paths OUT {sgd,adam}
+usage: torchrun --nproc-per-node N -m tests.workers.step_paths OUT {sgd,adam} [bf16]
 
 The reference is the step written out the plain way — ``before = clone``, ``p -= before``,
 ``adasum_allreduce(deltas)`` (packs and unpacks), ``p += before`` — which every earlier version ran. Both
@@ -10,10 +10,11 @@ frozen layer, a branch some ranks and steps do not use, a float64 parameter and 
 backward step's buckets hold at most 300 bytes here, so the model is cut into several (the float64 one
 alone), completed in different orders on different ranks (the unused branch's only at ``finish``); its
 ranks start from different values (it broadcasts rank 0's), and a layer unfrozen afterwards makes
-``finish`` raise.
+``finish`` raise. ``bf16``: every path with ``wire_dtype=torch.bfloat16`` (the reference's allreduce too).
 """
 
 import copy
+import functools
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from tests.workers import cases
 
 argv = cases.argv()
 out, optimizer_name = Path(argv[0]), argv[1]
+wire = torch.bfloat16 if argv[2:] == ["bf16"] else None
 cases.init_process_group("gloo")
 rank = dist.get_rank()
 
@@ -60,7 +62,7 @@ def reference_step(params, local_step):
         deltas = [p.data for p in params]
         for d, b in zip(deltas, before, strict=True):
             d.sub_(b)
-        adasum_allreduce(deltas)
+        adasum_allreduce(deltas, wire_dtype=wire)
         for d, b in zip(deltas, before, strict=True):
             d.add_(b)
 
@@ -80,12 +82,13 @@ if rank:
         for p in hooked.parameters():
             p.add_(1.0)
 opt, twin_opt, hooked_opt = make(net), make(twin), make(hooked)
-backward_step = BackwardAdasumStep(hooked_opt, dist.new_group(backend="gloo"), bucket_bytes=300)
+backward_step = BackwardAdasumStep(hooked_opt, dist.new_group(backend="gloo"), 300, wire_dtype=wire)
 gen = torch.Generator().manual_seed(10 + rank)
 for step in range(4):
     x, y = torch.randn(6, 8, generator=gen), torch.randint(0, 4, (6,), generator=gen)
     use_branch = (step + rank) % 2 == 0
-    for model, optimizer, run in ((net, opt, adasum_step), (twin, twin_opt, reference_step)):
+    paths = ((net, opt, functools.partial(adasum_step, wire_dtype=wire)), (twin, twin_opt, reference_step))
+    for model, optimizer, run in paths:
         optimizer.zero_grad()
         F.cross_entropy(model(x, use_branch), y).backward()
         run(optimizer_parameters(optimizer), optimizer.step)

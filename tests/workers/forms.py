@@ -56,6 +56,7 @@ p.add_argument("--ddp-wrapped", action="store_true", help="the model wrapped in 
 p.add_argument("--sync-every", type=int, default=1, help="local SGD: optimizer steps between syncs")
 p.add_argument("--combine", default="adasum", choices=("adasum", "mean"))
 p.add_argument("--outer-lr", type=float, default=0.0, help="> 0: an outer Nesterov SGD (momentum 0.9)")
+p.add_argument("--overlap-sync", action="store_true", help="local SGD: each exchange behind the next window")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +81,8 @@ def local_sgd() -> dict:
     outer = None
     if args.outer_lr:
         outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True)
-    return {"sync_every": args.sync_every, "combine": args.combine, "outer_optimizer": outer}
+    overlap = {"overlap_sync": True} if args.overlap_sync else {}
+    return {"sync_every": args.sync_every, "combine": args.combine, "outer_optimizer": outer, **overlap}
 
 
 def dataset() -> IndexedData:

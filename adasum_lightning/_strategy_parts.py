@@ -30,6 +30,7 @@ __all__ = [
     "HorovodProcess",
     "ReplicaMesh",
     "check_launcher_world_size",
+    "close_windows",
     "make_parameters_contiguous",
     "periodic_sync",
     "prepare_unwrapped_module",
@@ -115,10 +116,15 @@ def prepare_unwrapped_module(strategy: Any, module: Module) -> None:
 
 
 def periodic_sync(
-    strategy: Any, optimizer: Optimizer, restored: dict[str, Any] | None, timeout: timedelta | None
+    strategy: Any,
+    optimizer: Optimizer,
+    restored: dict[str, Any] | None,
+    timeout: timedelta | None,
+    overlap_group: dist.ProcessGroup | None,
 ) -> PeriodicSync:
     """``optimizer``'s local-SGD windows under ``strategy``'s ``sync_every``, ``combine``, ``outer_optimizer``
-    (None, or a callable that builds it from the parameters) and ``wire_dtype``, restored from ``restored``.
+    (None, or a callable that builds it from the parameters), ``wire_dtype`` and ``overlap_sync`` (its
+    exchanges on ``overlap_group``), restored from ``restored``.
 
     Raises:
         AdasumConfigurationError: on every rank, an outer optimizer over other parameters.
@@ -137,11 +143,25 @@ def periodic_sync(
                 builder=True,
             )
     built = PeriodicSync(
-        params, strategy.sync_every, strategy.combine, outer, timeout=timeout, wire_dtype=strategy.wire_dtype
+        params,
+        strategy.sync_every,
+        strategy.combine,
+        outer,
+        timeout=timeout,
+        wire_dtype=strategy.wire_dtype,
+        overlap_sync=strategy.overlap_sync,
+        overlap_group=overlap_group,
     )
     if restored is not None:
         built.load_state_dict(restored)
     return built
+
+
+def close_windows(windows: dict[int, PeriodicSync]) -> None:
+    """End the worker threads of ``windows`` (:meth:`PeriodicSync.close`) and forget them."""
+    for built in windows.values():
+        built.close()
+    windows.clear()
 
 
 def named_parameters(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
 from itertools import accumulate
@@ -45,6 +46,14 @@ class PeriodicSync:
     kept workspace: a fresh one per sync would cost page faults on every sync). Every rank must call
     :meth:`step` and :meth:`sync` at the same steps.
 
+    With ``overlap_sync=True`` the exchange of window k runs in a worker thread while window k + 1 computes,
+    and is applied one window late (docs/local_sgd.md, "The sync behind compute"): at the end of window k,
+    with s this rank's window start, δ_k = θ − s; the exchange in flight is waited for and applied,
+    θ_sync ← U(θ_sync, C_{k−1}); C_k = combine(δ_k) starts; θ ← θ_sync + δ_k and s ← θ. :meth:`sync` (and
+    :meth:`state_dict`) finish the exchange in flight and the current window: every rank then holds θ_sync.
+    It costs one more copy of ``params`` (s), a send buffer and the thread (ended by :meth:`sync` and
+    :meth:`close`).
+
     Args:
         params: the parameters the local steps change (same shapes, dtypes and order on every rank).
         sync_every: local optimizer steps per sync (H ≥ 1).
@@ -54,6 +63,9 @@ class PeriodicSync:
         group, timeout: the process group (default: the default group) and how long one exchange waits.
         wire_dtype: None, or the dtype every piece the combination sends is rounded to (``wire_dtype`` of
             :mod:`adasum_lightning.allreduce`'s functions); θ_sync and the parameters keep their own dtype.
+        overlap_sync: run each window's exchange behind the next window's local steps (H ≥ 2).
+        overlap_group: the process group of those exchanges, the worker thread its only user (the ranks of
+            ``group``; default ``group``, which no other thread may use meanwhile).
     """
 
     def __init__(
@@ -65,6 +77,8 @@ class PeriodicSync:
         group: dist.ProcessGroup | None = None,
         timeout: timedelta | None = None,
         wire_dtype: torch.dtype | None = None,
+        overlap_sync: bool = False,
+        overlap_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.params = list(params)
         self.sync_every = sync_every
@@ -73,9 +87,16 @@ class PeriodicSync:
         self.group = group
         self.timeout = timeout
         self.wire_dtype = wire_dtype
+        self.overlap_sync = overlap_sync
+        self.overlap_group = group if overlap_group is None else overlap_group
         #: Local steps since the last sync.
         self.steps = 0
         self._synced: list[torch.Tensor] | None = None if self.every_step else self._copy()
+        # overlap_sync: this rank's window start s, the send buffers, the exchange in flight, its thread
+        self._start = self._copy() if overlap_sync else None
+        self._send: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._pending: tuple[Future, list[_Packed]] | None = None
+        self._worker: ThreadPoolExecutor | None = None
 
     @property
     def every_step(self) -> bool:
@@ -89,53 +110,138 @@ class PeriodicSync:
         output = local_step()
         self.steps += 1
         if self.steps >= self.sync_every:
-            self.sync()
+            self._end_overlapped(flush=False) if self.overlap_sync else self.sync()
         return output
 
     @torch.no_grad()
     def sync(self) -> None:
         """End the window now: combine the pseudo-gradients and set every rank's parameters to θ_sync.
 
-        A window without local steps changes nothing (the ranks hold θ_sync already).
+        A window without local steps (and, with ``overlap_sync``, no exchange in flight) changes nothing.
+
+        Raises:
+            RuntimeError: from ``torch.distributed``, also what the exchange in flight raised (a lost peer).
         """
+        if self.overlap_sync:
+            return self._end_overlapped(flush=True)
         if self.every_step or self.steps == 0:
             return
         self.steps = 0
+        packed = self._pack()
+        # Without an outer optimizer each range of θ_sync is set as soon as the allreduce has its result.
+        apply = self.outer_optimizer is None and all(p.is_contiguous() for p in self.params)
+        for indices, offsets, flat in packed:
+            params = [self.params[i] for i in indices]
+            synced = [self._synced[i] for i in indices]  # type: ignore[index]
+            on_final = partial(_apply_deltas, params, synced, offsets, flat) if apply else None
+            self._combine(flat, [p.numel() for p in params], self.group, on_final)
+        if not apply:
+            self._update(packed)
+
+    def _end_overlapped(self, flush: bool) -> None:
+        """``overlap_sync``'s end of a window (the class): s ← δ = θ − s, the exchange in flight applied
+        (θ = θ_sync); then δ's exchange starts in the worker thread and θ ← θ_sync + δ, s ← θ; or, for a
+        flush, it runs now and s ← θ = θ_sync, and the thread ends."""
+        assert self._start is not None and self._synced is not None
+        steps, self.steps = self.steps, 0
+        if steps == 0 and self._pending is None:
+            return
+        if steps:
+            for p, s in zip(self.params, self._start, strict=True):
+                torch.sub(p.detach(), s, out=s)
+        self._wait()
+        packed = self._pack() if steps else []
+        if flush:
+            self._combine_packed(packed, self.group)
+            if packed:
+                self._update(packed)
+            for p, s in zip(self.params, self._start, strict=True):
+                s.copy_(p.detach())
+            self.close()
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adasum-overlap-sync")
+        self._pending = (self._worker.submit(self._combine_packed, packed, self.overlap_group), packed)
+        for p, s in zip(self.params, self._start, strict=True):
+            p.detach().add_(s)
+            s.copy_(p.detach())
+
+    def _wait(self) -> None:
+        """Finish the exchange in flight, if any, and apply it (θ_sync ← U(θ_sync, C)); the parameters are
+        θ_sync afterwards. Raises what the exchange raised."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            for p, s in zip(self.params, self._synced, strict=True):  # type: ignore[arg-type]
+                p.detach().copy_(s)
+            return
+        pending[0].result()
+        self._update(pending[1])
+
+    def _combine_packed(self, packed: list[_Packed], group: dist.ProcessGroup | None) -> None:
+        """Every flat buffer of ``packed`` combined over ``group`` (the worker thread: ``overlap_group``)."""
+        with torch.no_grad():
+            for _, offsets, flat in packed:
+                self._combine(flat, _counts(offsets), group)
+
+    def _combine(
+        self,
+        flat: torch.Tensor,
+        counts: list[int],
+        group: dist.ProcessGroup | None,
+        on_final: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Combine the ranks' pseudo-gradients in ``flat`` (tensors of ``counts`` elements back to back) over
+        ``group``, in place; ``on_final`` as for :func:`adasum_allreduce_flat`."""
+        size = world_size(group)
+        if size > 1 and self.combine == "adasum":
+            adasum_allreduce_flat(flat, counts, group, self.timeout, on_final, self.wire_dtype)
+            return
+        if size > 1:
+            mean_allreduce_flat(flat, group, self.wire_dtype)
+        if on_final is not None:
+            on_final(0, flat.numel())
+
+    def _pack(self) -> list[_Packed]:
+        """The pseudo-gradients per dtype and device, packed back to back in one flat buffer: θ − θ_sync, or
+        with ``overlap_sync`` the window starts (which hold δ then) in the send buffers."""
         assert self._synced is not None
-        size = world_size(self.group)
         buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, p in enumerate(self.params):
             if p.numel():
                 buckets.setdefault((p.dtype, p.device), []).append(i)
-        saved_grads = [p.grad for p in self.params]
+        packed = []
         for (dtype, device), indices in buckets.items():
-            params = [self.params[i] for i in indices]
-            synced = [self._synced[i] for i in indices]
-            offsets = list(accumulate((p.numel() for p in params), initial=0))
-            flat = workspace(offsets[-1], dtype, device, slot="periodic-delta")
-            for p, s, at in zip(params, synced, offsets, strict=False):
-                torch.sub(p.detach().reshape(-1), s.reshape(-1), out=flat[at : at + p.numel()])
-            # Without an outer optimizer each range of θ_sync is set as soon as the allreduce has its result.
-            apply = None
-            if self.outer_optimizer is None and all(p.is_contiguous() for p in params):
-                apply = partial(_apply_deltas, params, synced, offsets, flat)
-            if size > 1 and self.combine == "adasum":
-                counts = [p.numel() for p in params]
-                adasum_allreduce_flat(flat, counts, self.group, self.timeout, apply, self.wire_dtype)
+            offsets = list(accumulate((self.params[i].numel() for i in indices), initial=0))
+            if self._start is None:
+                flat = workspace(offsets[-1], dtype, device, slot="periodic-delta")
+            elif (dtype, device) not in self._send:
+                flat = self._send[dtype, device] = torch.empty(offsets[-1], dtype=dtype, device=device)
             else:
-                if size > 1:
-                    mean_allreduce_flat(flat, self.group, self.wire_dtype)
-                if apply is not None:
-                    apply(0, offsets[-1])
-            if apply is None:
-                for p, s, at in zip(params, synced, offsets, strict=False):
-                    delta = flat[at : at + p.numel()].view(p.shape)
-                    if self.outer_optimizer is None:
-                        torch.add(s, delta, out=p.data)
-                        s.copy_(p.detach())
-                    else:
-                        p.data.copy_(s)
-                        p.grad = delta.neg()
+                flat = self._send[dtype, device]
+            for i, at in zip(indices, offsets, strict=False):
+                out = flat[at : at + self.params[i].numel()]
+                if self._start is None:
+                    torch.sub(self.params[i].detach().reshape(-1), self._synced[i].reshape(-1), out=out)
+                else:
+                    out.copy_(self._start[i].reshape(-1))
+            packed.append((indices, offsets, flat))
+        return packed
+
+    def _update(self, packed: list[_Packed]) -> None:
+        """θ_sync ← θ_sync + C, or the outer optimizer's step with −C as the gradient, for the combined
+        pseudo-gradients C in ``packed``; the parameters are θ_sync afterwards."""
+        assert self._synced is not None
+        saved_grads = [p.grad for p in self.params]
+        for indices, offsets, flat in packed:
+            for i, at in zip(indices, offsets, strict=False):
+                p, s = self.params[i], self._synced[i]
+                delta = flat[at : at + p.numel()].view(p.shape)
+                if self.outer_optimizer is None:
+                    torch.add(s, delta, out=p.data)
+                    s.copy_(p.detach())
+                else:
+                    p.data.copy_(s)
+                    p.grad = delta.neg()
         if self.outer_optimizer is not None:
             with torch.enable_grad():
                 self.outer_optimizer.step()
@@ -144,8 +250,18 @@ class PeriodicSync:
             for p, s in zip(self.params, self._synced, strict=True):
                 s.copy_(p.detach())
 
+    def close(self) -> None:
+        """End the worker thread of ``overlap_sync``, after the exchange in flight (which is not applied)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        self._pending = None
+
     def state_dict(self) -> dict[str, Any]:
-        """The position in the window, θ_sync and the outer optimizer's state (the same on every rank)."""
+        """The position in the window, θ_sync and the outer optimizer's state (the same on every rank); with
+        ``overlap_sync`` the window ends first (:meth:`sync`, every rank)."""
+        if self.overlap_sync:
+            self.sync()
         return {
             "steps": self.steps,
             "synced": None if self._synced is None else [s.clone() for s in self._synced],
@@ -153,16 +269,27 @@ class PeriodicSync:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (the parameters themselves are restored elsewhere)."""
+        """Restore what :meth:`state_dict` returned (the parameters themselves are restored elsewhere); an
+        exchange in flight is dropped."""
+        self.close()
         self.steps = int(state["steps"])
         if self._synced is not None and state["synced"] is not None:
-            for s, saved in zip(self._synced, state["synced"], strict=True):
-                s.copy_(saved)
+            for copies in [self._synced] if self._start is None else [self._synced, self._start]:
+                for s, saved in zip(copies, state["synced"], strict=True):
+                    s.copy_(saved)
         if self.outer_optimizer is not None and state["outer_optimizer"] is not None:
             self.outer_optimizer.load_state_dict(state["outer_optimizer"])
 
     def _copy(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.params]
+
+
+#: One dtype and device's pseudo-gradients: (parameter indices, offsets in the buffer, the flat buffer).
+_Packed = tuple[list[int], list[int], torch.Tensor]
+
+
+def _counts(offsets: list[int]) -> list[int]:
+    return [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
 
 
 def _apply_deltas(

@@ -53,7 +53,9 @@ class AdasumOptimizer(Optimizer):
     H steps, then the ranks' pseudo-gradients are combined (:class:`adasum_lightning.local_sgd.PeriodicSync`).
     Call :meth:`sync` before evaluating or saving mid-window, so that every rank holds θ_sync;
     ``state_dict()`` then also holds the window's position and the outer optimizer's state
-    (``"adasum_sync"``).
+    (``"adasum_sync"``). With ``overlap_sync=True`` each window's exchange runs in a worker thread, on a
+    process group of its own (built here over the ranks of ``process_group``), while the next window
+    computes, and is applied one window late; :meth:`sync` and ``state_dict()`` (every rank) finish it.
 
     Sharded models (``mesh``): Adasum across replica groups, FSDP2 inside each (:mod:`adasum_lightning.
     sharded`). ``mesh`` is the 2-D ``DeviceMesh`` ``("replicate", "shard")``, the model is sharded with
@@ -71,6 +73,8 @@ class AdasumOptimizer(Optimizer):
         combine: ``"adasum"`` or ``"mean"``: how the pseudo-gradients are combined.
         outer_optimizer: None (θ_sync + combined Δ) or an optimizer over the same parameters that takes
             −(combined Δ) as the gradient of θ_sync (DiLoCo: Nesterov SGD, lr 0.7, momentum 0.9).
+        overlap_sync: with ``sync_every`` > 1, each window's exchange behind the next window's steps
+            (docs/local_sgd.md, "The sync behind compute").
         mesh: None, or the 2-D device mesh ``("replicate", "shard")`` of a model sharded by FSDP2 over
             ``mesh["shard"]`` (then no ``process_group``).
         compression: None (off), ``"bf16"`` or ``"fp16"``: every piece the combination sends is rounded to
@@ -81,9 +85,9 @@ class AdasumOptimizer(Optimizer):
             ``timeout`` is not a ``timedelta``.
         RuntimeError: ``torch.distributed`` is not initialised; the message names the fix.
         AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine`` or ``compression``, an outer
-            optimizer over other parameters; with ``mesh``: a mesh that is not 2-D ``("replicate",
-            "shard")``, parameters not sharded over ``mesh["shard"]``, ``process_group``, or a local-SGD
-            option.
+            optimizer over other parameters, ``overlap_sync`` with ``sync_every=1``; with ``mesh``: a mesh
+            that is not 2-D ``("replicate", "shard")``, parameters not sharded over ``mesh["shard"]``,
+            ``process_group``, or a local-SGD option.
     """
 
     #: ``GradScaler.step`` then hands the scale and the inf/NaN flag to :meth:`step` (``grad_scale``,
@@ -100,6 +104,7 @@ class AdasumOptimizer(Optimizer):
         outer_optimizer: Optimizer | None = None,
         mesh: DeviceMesh | None = None,
         compression: str | None = None,
+        overlap_sync: bool = False,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -116,7 +121,7 @@ class AdasumOptimizer(Optimizer):
                 f"timeout is a datetime.timedelta, e.g. timedelta(minutes=5); got {timeout!r} "
                 f"({type(timeout).__name__})"
             )
-        validation.check_sync_every(sync_every, combine, "AdasumOptimizer")
+        validation.check_sync_every(sync_every, combine, "AdasumOptimizer", overlap_sync=overlap_sync)
         self.wire_dtype = validation.check_wire_compression(compression, "AdasumOptimizer")
         validation.check_outer_optimizer_form("AdasumOptimizer", outer_optimizer, builder=False)
         if outer_optimizer is not None:
@@ -150,7 +155,11 @@ class AdasumOptimizer(Optimizer):
         self._share_wrapped_state()
         self._broadcast(optimizer_parameters(optimizer))
         self._gradients_checked = False
-        self._sync_options = (int(sync_every), combine, outer_optimizer)
+        self._sync_options = (int(sync_every), combine, outer_optimizer, overlap_sync)
+        self._overlap_group: dist.ProcessGroup | None = None  # overlap_sync's worker thread's
+        if overlap_sync and world_size(process_group) > 1:
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            self._overlap_group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
         self._periodic = self._periodic_sync()
         if sync_every > 1 and combine == "adasum" and outer_optimizer is None and dist.get_rank() == 0:
             warnings.warn(
@@ -192,15 +201,24 @@ class AdasumOptimizer(Optimizer):
         return self._periodic.step(local_step)
 
     def sync(self) -> None:
-        """End the local-SGD window now (every rank at the same step): the ranks' parameters become θ_sync.
-        Nothing to do when every step is combined (``sync_every=1`` without an outer optimizer)."""
+        """End the local-SGD window now (every rank at the same step; with ``overlap_sync`` the exchange in
+        flight first): the ranks' parameters become θ_sync. Nothing to do when every step is combined
+        (``sync_every=1`` without an outer optimizer)."""
         self._periodic.sync()
 
     def _periodic_sync(self) -> PeriodicSync:
-        sync_every, combine, outer = self._sync_options
+        sync_every, combine, outer, overlap = self._sync_options
         params = optimizer_parameters(self.optimizer)
         return PeriodicSync(
-            params, sync_every, combine, outer, self.process_group, self.timeout, self.wire_dtype
+            params,
+            sync_every,
+            combine,
+            outer,
+            self.process_group,
+            self.timeout,
+            self.wire_dtype,
+            overlap_sync=overlap,
+            overlap_group=self._overlap_group,
         )
 
     def _warn_if_gradients_identical(self, params: list[torch.Tensor]) -> None:

@@ -591,10 +591,12 @@ def check_sync_every(
     owner: str,
     overlap_backward: bool = False,
     outer_optimizer: bool = False,
+    overlap_sync: bool = False,
 ) -> None:
     """``sync_every`` is a whole number ≥ 1 and ``combine`` one of ``"adasum"``, ``"mean"``;
     ``overlap_backward`` (the Adasum of every step, during backward) goes with neither a window of several
-    steps, nor the mean, nor an outer optimizer.
+    steps, nor the mean, nor an outer optimizer; ``overlap_sync`` needs windows of several steps and no
+    ``overlap_backward``.
 
     Raises:
         AdasumConfigurationError: the value that is off and the accepted ones.
@@ -608,6 +610,16 @@ def check_sync_every(
         raise AdasumConfigurationError(
             f"{owner}'s combine is 'adasum' (orthogonal pseudo-gradients add, parallel ones average) or "
             f"'mean' (their average, as local SGD and DiLoCo do), got {combine!r}"
+        )
+    if overlap_sync and overlap_backward:
+        raise AdasumConfigurationError(
+            f"{owner}: overlap_sync=True and overlap_backward=True overlap different exchanges; pass one of "
+            "them (overlap_sync with sync_every > 1, overlap_backward with sync_every=1)."
+        )
+    if overlap_sync and sync_every == 1:
+        raise AdasumConfigurationError(
+            f"{owner}: overlap_sync=True runs a window's exchange during the next window, which sync_every=1 "
+            "does not have: pass sync_every > 1, or overlap_sync=False."
         )
     if overlap_backward and (sync_every > 1 or combine != "adasum" or outer_optimizer):
         given = f"sync_every={sync_every}" if sync_every > 1 else f"combine={combine!r}"

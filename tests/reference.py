@@ -1,6 +1,7 @@
 """The reference step, computed in one process: each rank's local step of the tiny net from the common start,
 then the Adasum of the ranks' deltas (``adasum_lightning.ops``). Every test of "one step is the Adasum of the
 local deltas" — Horovod's strategies, ``ddp_adasum``, Fabric's, the plain loop — checks its ranks against it.
+The local-SGD windows with ``overlap_sync`` (each combined update applied one window late), likewise.
 """
 
 from __future__ import annotations
@@ -72,3 +73,78 @@ def assert_one_step_is_the_adasum_of_local_deltas(
                 name,
                 (end - expected).abs().max(),
             )
+
+
+def overlapped_local_sgd_reference(
+    start: dict, rank_batches: list, sync_every: int, combine: str, outer_lr: float, wire=None
+) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """``overlap_sync=True`` written out in one process, as docs/local_sgd.md ("The sync behind compute")
+    states it: inner SGD (lr 0.1, momentum 0.9) on each worker's batches; at the end of window k
+    δ_k^r = θ^r − s^r, the pending C_{k−1} applied (g ← U(g, C_{k−1})), C_k = Combine(δ_k) pending, and
+    θ^r = s^r = g + δ_k^r; at the end of training the flush. U: g + C, or an outer Nesterov SGD step
+    (``outer_lr``, momentum 0.9) with −C as the gradient. ``wire``: None, or the dtype each δ and C are
+    rounded to (two ranks: what ``compression`` sends). Returns each worker's parameters after each of its
+    steps, and g after the flush."""
+    models = [tiny_net() for _ in rank_batches]
+    for m in models:
+        m.load_state_dict(start)
+    inner = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    g = [p.detach().clone() for p in models[0].parameters()]
+    s = [[p.detach().clone() for p in m.parameters()] for m in models]
+    outer_params = [torch.nn.Parameter(t.clone()) for t in g]
+    outer = torch.optim.SGD(outer_params, lr=outer_lr or 1.0, momentum=0.9, nesterov=True)
+    pending: list[torch.Tensor] | None = None
+
+    def deltas() -> list[list[torch.Tensor]]:  # per rank, per parameter: θ^r − s^r
+        return [
+            [p.detach() - t for p, t in zip(m.parameters(), s_r, strict=True)]
+            for m, s_r in zip(models, s, strict=True)
+        ]
+
+    def combined(d: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        per_parameter = [[d[r][i].to(wire or d[r][i].dtype).float() for r in range(len(d))] for i in range(len(g))]
+        if combine == "adasum":
+            c = [adasum_reduce(ds) for ds in per_parameter]
+        else:
+            c = [sum(ds) / len(ds) for ds in per_parameter]
+        return [ci.to(wire or ci.dtype).float() for ci in c]
+
+    def update(c: list[torch.Tensor]) -> None:  # g ← U(g, C)
+        if not outer_lr:
+            for t, ci in zip(g, c, strict=True):
+                t.add_(ci)
+            return
+        for o, t, ci in zip(outer_params, g, c, strict=True):
+            o.data.copy_(t)
+            o.grad = -ci
+        outer.step()
+        for t, o in zip(g, outer_params, strict=True):
+            t.copy_(o.detach())
+
+    steps = len(rank_batches[0])
+    trace: list[list[torch.Tensor]] = [[] for _ in models]
+    for k in range(steps):
+        for m, opt, batches in zip(models, inner, rank_batches, strict=True):
+            x, y = batches[k]
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if (k + 1) % sync_every == 0:
+            d = deltas()
+            if pending is not None:
+                update(pending)
+            pending = combined(d)  # applied at the end of the next window: one window late
+            with torch.no_grad():
+                for r, m in enumerate(models):
+                    for p, t, gi, di in zip(m.parameters(), s[r], g, d[r], strict=True):
+                        p.copy_(gi + di)
+                        t.copy_(p)
+        for r, m in enumerate(models):
+            trace[r].append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
+    # the flush at the end of training: the pending exchange, then the window cut short (if it has steps)
+    d = deltas()
+    if pending is not None:
+        update(pending)
+    if steps % sync_every:
+        update(combined(d))
+    return trace, torch.cat([t.reshape(-1) for t in g])

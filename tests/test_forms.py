@@ -36,7 +36,11 @@ from tests.helpers import (
     run_as_pytorch_job,
     run_job,
 )
-from tests.reference import assert_one_step_is_the_adasum_of_local_deltas, local_delta
+from tests.reference import (
+    assert_one_step_is_the_adasum_of_local_deltas,
+    local_delta,
+    overlapped_local_sgd_reference,
+)
 from tests.workers.lightning import PACKAGE
 from tests.workers.samples import IndexedData
 
@@ -228,7 +232,11 @@ def window_exits(**strategy_kwargs):
     return form(name, "trainer", 2, *options, *extra)
 
 
-WINDOW_EXITS = {"default": window_exits()}
+WINDOW_EXITS = {
+    "default": window_exits(),
+    # H = 2: the fit ends with an exchange in flight and a window of one step
+    "overlap_sync-bf16": window_exits(overlap_sync=True, compression="bf16", sync_every=2),
+}
 
 
 @pytest.mark.parametrize(
@@ -392,6 +400,28 @@ WIRE = {
 }  # fmt: skip
 
 
+OVERLAP_OPTIONS = ("--momentum", "0.9", "--overlap-sync")
+#: (combine, outer lr, sync_every): 16 steps, so H = 3 ends mid-window and H = 2 with an exchange in flight
+OVERLAP = {
+    ("adasum", 0.35, 3): forms(
+        "forms-overlap-adasum-outer", 2, *OVERLAP_OPTIONS, "--sync-every", "3", "--outer-lr", "0.35"
+    ),
+    ("mean", 0.0, 2): forms(
+        "forms-overlap-mean", 2, *OVERLAP_OPTIONS, "--sync-every", "2", "--combine", "mean"
+    ),
+}
+OVERLAP_PLAIN = {
+    ("adasum", 0.0, 2): form("forms-overlap-adasum", "plain", 2, *OVERLAP_OPTIONS, "--sync-every", "2"),
+    ("adasum", 0.0, 2, "bf16"): form(
+        "forms-overlap-adasum-bf16", "plain", 2, *OVERLAP_OPTIONS, "--sync-every", "2", "--compression", "bf16"
+    ),
+    ("mean", 0.7, 3): form(
+        "forms-overlap-mean-outer", "plain", 2, *OVERLAP_OPTIONS, "--sync-every", "3", "--combine", "mean",
+        "--outer-lr", "0.7",
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "key", [pytest.param(k, marks=pytest.mark.cases(*c), id="-".join(map(str, k))) for k, c in WIRE.items()]
 )
@@ -414,6 +444,48 @@ def test_a_bf16_wire_equals_the_algorithm_written_out_with_every_sent_piece_roun
         assert torch.allclose(got_end, end, rtol=1e-5, atol=1e-6), (key, r, (got_end - end).abs().max())
     for k in range(key[0] - 1, 16, key[0]):
         assert torch.equal(plain[0]["trace"][k], plain[1]["trace"][k]), (key, k)
+
+
+def overlap_param(key: tuple, *declared) -> object:
+    wire = f"-{key[3]}" if len(key) > 3 else ""
+    return pytest.param(key, marks=pytest.mark.cases(*declared), id=f"{key[0]}-outer{key[1]}-H{key[2]}{wire}")
+
+
+@pytest.mark.parametrize("key", [overlap_param(k, *c) for k, c in OVERLAP.items()])
+def test_overlap_sync_trains_the_same_parameters_in_the_three_forms(key, cases):
+    plain = three_forms(cases, OVERLAP[key])
+    assert plain[0]["steps"] == 16
+
+
+@pytest.mark.parametrize(
+    "key",
+    [overlap_param(k, c[0] if isinstance(c, tuple) else c) for k, c in {**OVERLAP, **OVERLAP_PLAIN}.items()],
+)
+def test_overlap_sync_equals_the_algorithm_written_out_one_window_late(key, cases):
+    # tests/reference.py writes out docs/local_sgd.md's equations: window k's combined update applied at the
+    # end of window k + 1, each rank going on meanwhile from the synced point plus its own window's progress
+    declared = {**OVERLAP, **OVERLAP_PLAIN}[key]
+    ranks = cases[declared[0] if isinstance(declared, tuple) else declared].ranks
+    combine, outer_lr, sync_every, *wire = key
+    start, rank_batches = ranks[0]["start"], batches_of_every_rank(2)
+    wire_dtype = torch.bfloat16 if wire else None  # compression="bf16": each δ and C rounded to bfloat16
+    reference, end = overlapped_local_sgd_reference(start, rank_batches, sync_every, combine, outer_lr, wire_dtype)
+    for r, res in enumerate(ranks):
+        assert len(res["trace"]) == 16
+        for k, (got, want) in enumerate(zip(res["trace"], reference[r], strict=True)):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (key, r, k, (got - want).abs().max())
+        got_end = torch.cat([t.reshape(-1) for t in res["end"].values()])
+        assert torch.allclose(got_end, end, rtol=1e-5, atol=1e-6), (key, r, (got_end - end).abs().max())
+    # One window late: never identical before the end, each rank going on from g + its own δ (applied in the
+    # window it ends, as without overlap_sync, the update would make them identical after step H); and the
+    # trace after step H above is not the same-window algorithm's:
+    for k in range(16):
+        assert not torch.equal(ranks[0]["trace"][k], ranks[1]["trace"][k]), (key, k)
+    same_window, _ = local_sgd_reference(start, rank_batches, sync_every, combine, outer_lr)
+    assert not torch.allclose(same_window[0][sync_every - 1], reference[0][sync_every - 1], atol=1e-3)
+    if wire:  # and the rounding shows: the float32 wire's reference is further off than round-off
+        float32_wire, _ = overlapped_local_sgd_reference(start, rank_batches, sync_every, combine, outer_lr)
+        assert (torch.stack(ranks[0]["trace"]) - torch.stack(float32_wire[0])).abs().max() > 1e-4
 
 
 #: 4 plain ranks in the 4-rank torchrun launch of tests/test_fsdp_adasum.py (one launch for both files).

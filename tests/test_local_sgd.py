@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
 
 import pytest
 import torch
@@ -56,6 +57,52 @@ def test_sync_every_rule_names_the_accepted_values(sync_every, combine, overlap,
     check_sync_every(1, "adasum", "ddp_adasum", True)  # every step by Adasum may overlap backward
     with pytest.raises(AdasumConfigurationError, match="which an outer optimizer does not"):
         check_sync_every(1, "adasum", "ddp_adasum", True, outer_optimizer=True)
+
+
+def test_overlap_sync_is_refused_without_windows_or_with_overlap_backward_naming_the_fix():
+    check_sync_every(2, "mean", "ddp_adasum", overlap_sync=True)
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_sync_every(1, "adasum", "ddp_adasum", overlap_sync=True)
+    assert str(info.value) == (
+        "ddp_adasum: overlap_sync=True runs a window's exchange during the next window, which sync_every=1 "
+        "does not have: pass sync_every > 1, or overlap_sync=False."
+    )
+    with pytest.raises(AdasumConfigurationError) as info:
+        check_sync_every(1, "adasum", "ddp_adasum", overlap_backward=True, overlap_sync=True)
+    assert str(info.value) == (
+        "ddp_adasum: overlap_sync=True and overlap_backward=True overlap different exchanges; pass one of "
+        "them (overlap_sync with sync_every > 1, overlap_backward with sync_every=1)."
+    )
+    # each owner refuses when built, before the first step
+    with pytest.raises(AdasumConfigurationError, match="^ddp_adasum: overlap_sync=True and overlap_backward"):
+        DDPAdasumStrategy(sync_every=4, overlap_backward=True, overlap_sync=True)
+    with pytest.raises(AdasumConfigurationError, match="^ddp_adasum: .* pass sync_every > 1"):
+        importlib.import_module(FABRIC).DDPAdasumStrategy(overlap_sync=True)
+    with pytest.raises(AdasumConfigurationError, match="^AdasumOptimizer: .* pass sync_every > 1"):
+        AdasumOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), overlap_sync=True)
+
+
+def test_overlap_sync_raises_the_exchanges_error_at_the_next_window_end_and_joins_its_thread():
+    # world size 1; the exchange of the window that ends at step 2 fails in the worker thread
+    param = torch.nn.Parameter(torch.zeros(2))
+    periodic = PeriodicSync([param], sync_every=2, combine="mean", overlap_sync=True)
+
+    def lost_peer(*args) -> None:
+        raise RuntimeError("peer lost")
+
+    periodic._combine = lost_peer
+
+    def local_step() -> None:
+        param.data.add_(1.0)
+
+    for _ in range(3):
+        periodic.step(local_step)
+    assert param.tolist() == [3.0, 3.0]  # the failure is not seen before its window's result is needed
+    with pytest.raises(RuntimeError, match="peer lost"):
+        periodic.step(local_step)
+    assert [t for t in threading.enumerate() if t.name.startswith("adasum-overlap-sync")]
+    periodic.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("adasum-overlap-sync")]
 
 
 def test_outer_optimizer_rule_counts_the_parameters_that_differ_and_names_the_owners_form():
@@ -255,6 +302,22 @@ def test_window_position_and_outer_state_resume_exactly(one_process_group):
         optimizer.zero_grad()
     for a, b in zip(straight.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_overlap_sync_state_dict_ends_the_window_and_the_exchange_in_flight_first(one_process_group):
+    # 5 steps, H = 2: the exchange of the window ended at step 4 is in flight, one step since. At world size 1
+    # the mean of the pseudo-gradients is this rank's own, so the flushed parameters are plain SGD's.
+    def overlapped(model):
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        return AdasumOptimizer(inner, sync_every=2, combine="mean", overlap_sync=True)
+
+    model, optimizer = _train(overlapped, 5)
+    state = optimizer.state_dict()["adasum_sync"]
+    plain, _ = _train(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 5)
+    assert state["steps"] == 0
+    for p, saved, local in zip(model.parameters(), state["synced"], plain.parameters(), strict=True):
+        assert torch.equal(p, saved) and torch.allclose(p, local, atol=1e-6)
+    assert not [t for t in threading.enumerate() if t.name.startswith("adasum-overlap-sync")]
 
 
 def test_periodic_sync_every_step_is_the_adasum_step_itself():

@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning_fabric.accelerators import Accelerator
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning_fabric.strategies import DDPStrategy
@@ -21,6 +22,7 @@ from typing_extensions import override
 from adasum_lightning import validation
 from adasum_lightning._strategy_parts import (
     check_launcher_world_size,
+    close_windows,
     periodic_sync,
     prepare_unwrapped_module,
     register,
@@ -57,17 +59,18 @@ class DDPAdasumStrategy(DDPStrategy):
         timeout: how long a collective may wait for the other ranks before this rank fails (default 30 min).
         start_method: how ``fabric.launch()`` starts the processes (``"popen"``, ``"spawn"``, ``"fork"``,
             ``"forkserver"``), as for ``DDPStrategy``.
-        sync_every, combine, outer_optimizer: local SGD / DiLoCo, as for the Trainer's ``ddp_adasum``; a
-            window ends early at ``fabric.save``. Call ``fabric.strategy.end_windows()`` (every rank) before
-            evaluating mid-window.
+        sync_every, combine, outer_optimizer, overlap_sync: local SGD / DiLoCo, as for the Trainer's
+            ``ddp_adasum`` (``overlap_sync``: each window's exchange behind the next window's steps, applied
+            one window late); a window ends early at ``fabric.save``. Call ``fabric.strategy.end_windows()``
+            (every rank) before evaluating mid-window and at the end of training.
         compression: None (off), ``"bf16"`` or ``"fp16"``: the dtype of every sent piece, as for the
             Trainer's ``ddp_adasum``.
 
     Raises:
-        AdasumConfigurationError: an unknown ``combine`` or ``compression``; on every rank, before the first
-            step — a launcher ``WORLD_SIZE`` that ``devices × num_nodes`` does not describe, a module on
-            several devices or already wrapped in ``DistributedDataParallel``, ``SyncBatchNorm`` layers on
-            CPU.
+        AdasumConfigurationError: on every rank, before the first step — a launcher ``WORLD_SIZE`` that
+            ``devices × num_nodes`` does not describe, a module on several devices or already wrapped in
+            ``DistributedDataParallel``, ``SyncBatchNorm`` layers on CPU; when built, an unknown
+            ``compression`` and the local-SGD rules of the Trainer's ``ddp_adasum``.
     """
 
     strategy_name = "ddp_adasum"
@@ -86,6 +89,7 @@ class DDPAdasumStrategy(DDPStrategy):
         combine: str = "adasum",
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
         compression: str | None = None,
+        overlap_sync: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -98,13 +102,15 @@ class DDPAdasumStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _LocalGradientsSyncControl()
-        validation.check_sync_every(sync_every, combine, self.strategy_name)
+        validation.check_sync_every(sync_every, combine, self.strategy_name, overlap_sync=overlap_sync)
         validation.check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
         self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
         self.compression = compression
         self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
+        self.overlap_sync = overlap_sync
+        self._overlap_group: dist.ProcessGroup | None = None  # overlap_sync's worker thread's
         self._periodic: dict[int, PeriodicSync] = {}  # per optimizer (by id), in the order of first steps
         self._restored_periodic: list[dict[str, Any]] = []
 
@@ -123,6 +129,9 @@ class DDPAdasumStrategy(DDPStrategy):
         super().setup_environment()
         if self.sync_every > 1 and self.combine == "adasum" and self.outer_optimizer is None:
             rank_zero_warn(validation.local_sgd_without_outer_message(self.strategy_name, self.sync_every))
+        if self.overlap_sync and self.world_size > 1:  # a collective: every rank builds it here
+            timeout = _compat.process_group_timeout(self)
+            self._overlap_group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -133,6 +142,10 @@ class DDPAdasumStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         release_workspace()  # the reduction's buffers, kept between steps
+        close_windows(self._periodic)
+        if self._overlap_group is not None:
+            dist.destroy_process_group(self._overlap_group)
+            self._overlap_group = None
         super().teardown()
 
     # ------------------------------------------------------------------------------------------ step
@@ -148,12 +161,14 @@ class DDPAdasumStrategy(DDPStrategy):
             return built
         restored = self._restored_periodic
         state = restored[len(self._periodic)] if len(restored) > len(self._periodic) else None
-        built = periodic_sync(self, optimizer, state, _compat.process_group_timeout(self))
+        timeout = _compat.process_group_timeout(self)
+        built = periodic_sync(self, optimizer, state, timeout, self._overlap_group)
         self._periodic[id(optimizer)] = built
         return built
 
     def end_windows(self) -> None:
-        """Sync every optimizer's parameters now (every rank calls it): the ranks then hold θ_sync."""
+        """Sync every optimizer's parameters now (every rank calls it; with ``overlap_sync`` the exchange in
+        flight first): the ranks then hold θ_sync."""
         for periodic in self._periodic.values():
             periodic.sync()
 
@@ -182,7 +197,7 @@ class DDPAdasumStrategy(DDPStrategy):
         remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
         if isinstance(remainder, dict) and PERIODIC_SYNC_STATES in remainder:
             self._restored_periodic = remainder.pop(PERIODIC_SYNC_STATES)
-            self._periodic.clear()
+            close_windows(self._periodic)
         return remainder
 
     @classmethod

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning import validation
-from adasum_lightning._strategy_parts import check_launcher_world_size, periodic_sync
+from adasum_lightning._strategy_parts import check_launcher_world_size, close_windows, periodic_sync
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES, PeriodicSync
 from adasum_lightning.step import PER_PARAMETER_OPTIMIZERS, BackwardAdasumStep
@@ -73,11 +73,15 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         compression: None (off), ``"bf16"`` or ``"fp16"``: every piece the combination sends (the Adasum
             allreduce, the mean) is rounded to that dtype; dot products, norms and the combination stay
             float32/float64, the parameters and optimizer states float32 (docs/strategies.md, "Compression").
+        overlap_sync: with ``sync_every`` > 1, each window's exchange runs in a worker thread while the
+            next window computes, and is applied one window late (docs/local_sgd.md, "The sync behind
+            compute"); where a window ends early, the exchange in flight is finished first.
 
     Raises:
         ValueError: an invalid ``lr_scaling``, ``uneven_inputs``, ``overlap_backward`` or ``bucket_cap_mb``.
         AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine`` or ``compression``,
-            ``overlap_backward`` with local SGD; at the first step, an outer optimizer over other parameters.
+            ``overlap_backward`` with local SGD, ``overlap_sync`` with ``sync_every=1`` or
+            ``overlap_backward``; at the first step, an outer optimizer over other parameters.
     """
 
     strategy_name = "ddp_adasum"
@@ -100,6 +104,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         combine: str = "adasum",
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
         compression: str | None = None,
+        overlap_sync: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -114,9 +119,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             uneven_inputs=uneven_inputs,
         )
         validation.check_overlap_backward(overlap_backward, bucket_cap_mb, self.strategy_name)
-        validation.check_sync_every(
-            sync_every, combine, self.strategy_name, overlap_backward, outer_optimizer is not None
-        )
+        outer = outer_optimizer is not None
+        name = self.strategy_name
+        validation.check_sync_every(sync_every, combine, name, overlap_backward, outer, overlap_sync)
         validation.check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
         self.overlap_backward = overlap_backward
         self.bucket_cap_mb = bucket_cap_mb
@@ -125,6 +130,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         self.outer_optimizer = outer_optimizer
         self.compression = compression
         self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
+        self.overlap_sync = overlap_sync
         # per optimizer (by id): its local-SGD windows; the checkpoint's states until they are built
         self._periodic: dict[int, PeriodicSync] = {}
         self._restored_periodic: list[dict[str, Any]] | None = None
@@ -146,7 +152,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.sync_every > 1 and fitting and not any(isinstance(c, _EndWindows) for c in trainer.callbacks):
             trainer.callbacks.insert(0, _EndWindows(self))  # first: before the others' end-of-fit hooks
-        if self.overlap_backward and self.world_size > 1 and fitting:
+        if (self.overlap_backward or self.overlap_sync) and self.world_size > 1 and fitting:
             # the worker thread's own process group (a collective: every rank builds it here)
             self._overlap_group = dist.new_group(
                 backend=dist.get_backend(), timeout=_compat.process_group_timeout(self)
@@ -157,9 +163,10 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         overlap = ", bucket by bucket during backward" if self.overlap_backward else ""
         if self.sync_every > 1 or self.combine != "adasum" or self.outer_optimizer is not None:
             outer = "an outer optimizer" if self.outer_optimizer is not None else "no outer optimizer"
+            behind = ", exchanged behind the next window's steps" if self.overlap_sync else ""
             return (
                 f"local SGD over {self.process_group_backend}: every {self.sync_every} steps the "
-                f"{self.combine} of the pseudo-gradients, {outer}"
+                f"{self.combine} of the pseudo-gradients{behind}, {outer}"
             )
         return f"Adasum of parameter deltas over {self.process_group_backend}{overlap}"
 
@@ -170,7 +177,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     ) -> Any:
         """Lightning's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
         local_optimizer = _compat.unwrap_lightning_optimizer(optimizer)
-        backward_step = self._backward_step(local_optimizer) if self._overlap_group is not None else None
+        overlap = self.overlap_backward and self._overlap_group is not None
+        backward_step = self._backward_step(local_optimizer) if overlap else None
         if backward_step is not None and not kwargs:
             # the closure's backward steps and reduces the buckets (the optimizer's own step is not called)
             backward_step.armed = True
@@ -193,12 +201,14 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         index = [_compat.unwrap_lightning_optimizer(o) for o in self.optimizers].index(optimizer)
         restored = self._restored_periodic or []
         state = restored[index] if index < len(restored) else None
-        built = periodic_sync(self, optimizer, state, _compat.process_group_timeout(self))
+        timeout = _compat.process_group_timeout(self)
+        built = periodic_sync(self, optimizer, state, timeout, self._overlap_group)
         self._periodic[id(optimizer)] = built
         return built
 
     def end_windows(self) -> None:
-        """Sync every optimizer's parameters now (a collective): Lightning evaluates or saves them next."""
+        """Sync every optimizer's parameters now (a collective; with ``overlap_sync`` the exchange in flight
+        first): Lightning evaluates or saves them next."""
         for periodic in self._periodic.values():
             periodic.sync()
 
@@ -294,7 +304,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         self._restored_periodic = checkpoint.get(PERIODIC_SYNC_STATES)
-        self._periodic.clear()
+        close_windows(self._periodic)
         super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------------------------------ teardown
@@ -305,7 +315,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             if built is not None:
                 built.close()
         self._backward_steps.clear()
-        self._periodic.clear()
+        close_windows(self._periodic)  # after a fit, on_train_end has synced them
         if self._overlap_group is not None:
             dist.destroy_process_group(self._overlap_group)
             self._overlap_group = None

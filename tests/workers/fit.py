@@ -45,6 +45,7 @@ p.add_argument("--kill-at-step", type=int, default=-1)
 p.add_argument("--lr-find", action="store_true", help="Tuner.lr_find first, then fit with its suggestion")
 p.add_argument("--sync-every", type=int, default=1, help="ddp_adasum: local SGD, steps between syncs")
 p.add_argument("--outer-lr", type=float, default=0.0, help="> 0: an outer Nesterov SGD (momentum 0.9)")
+p.add_argument("--overlap-sync", action="store_true", help="ddp_adasum: each exchange behind the next window")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 
@@ -78,7 +79,8 @@ if args.compression != "none":
     strategy = HorovodAdasumStrategy(compression=args.compression)
 if args.sync_every > 1 or args.outer_lr:
     outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True)
-    strategy = DDPAdasumStrategy(sync_every=args.sync_every, outer_optimizer=outer if args.outer_lr else None)
+    strategy = DDPAdasumStrategy(sync_every=args.sync_every, outer_optimizer=outer if args.outer_lr else None,
+                                 overlap_sync=args.overlap_sync)  # fmt: skip
 trainer = pl.Trainer(
     strategy=strategy,
     accelerator="cpu",

@@ -59,6 +59,7 @@ p.add_argument("--combine", default="adasum", choices=("adasum", "mean"))
 p.add_argument("--outer-lr", type=float, default=0.0, help="> 0: an outer Nesterov SGD (momentum 0.9)")
 p.add_argument("--strategy-kwargs", type=json.loads, default={}, help="more local-SGD arguments (JSON)")
 p.add_argument("--compression", default=None, choices=("bf16", "fp16"), help="the wire dtype of the combine")
+p.add_argument("--overlap-sync", action="store_true", help="local SGD: each exchange behind the next window")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -85,8 +86,9 @@ def local_sgd() -> dict:
     outer = None
     if args.outer_lr:
         outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True)
+    overlap = {"overlap_sync": True} if args.overlap_sync else {}
     return {"sync_every": args.sync_every, "combine": args.combine, "outer_optimizer": outer,
-            **wire, **args.strategy_kwargs}  # fmt: skip
+            **wire, **overlap, **args.strategy_kwargs}  # fmt: skip
 
 
 def dataset() -> IndexedData:

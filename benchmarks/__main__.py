@@ -111,18 +111,13 @@ FULL = {
         "timeout_s": 600,
         "target": {
             "rate": "1gbit",
-            "lr": 0.01,
-            "target_loss": 0.3,
+            "lr": 0.05,
+            "target_loss": 0.25,
             "eval_every": 10,
             "val_samples": 1000,
             "max_steps": 1000,
             "max_train_s": 240,
-            "adasum_candidates": [
-                "adasum_s10",
-                "adasum_s10_bf16",
-                "adasum_s10_overlap",
-                "adasum_s10_overlap_bf16",
-            ],
+            "combinations": ["nesterov", "mean"],
         },
     },
 }
@@ -164,7 +159,7 @@ QUICK = {
             {"rig": "two_hosts", "rate": "1gbit", "variants": ["ddp", "adasum_s10", "ceiling"], "rounds": 1},
         ],
         "steps": {"1": [1, 3], "10": [10, 10], "50": [50, 50], "1000": [5, 20]},
-        "target": {**FULL["slow_link"]["target"], "target_loss": 1.0, "max_steps": 100, "max_train_s": 60},
+        "target": {**FULL["slow_link"]["target"], "target_loss": 0.8, "max_steps": 100, "max_train_s": 60},
     },
 }
 

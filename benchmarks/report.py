@@ -1023,7 +1023,10 @@ def _slow_link_section(result: dict, png: Path) -> list[str]:
                 "time: from the first step's start to the end of the step that reached the target, "
                 "the evaluations left out (process start, set-up and the end of fit too). Lightning "
                 "`ddp` runs first; each other variant stops at `ddp`'s time (not reached by then: not"
-                " faster). One run each."
+                " faster). Then post-local SGD and the fastest `sync_every=10` settings of the table above "
+                'with an outer Nesterov SGD (lr 0.1, momentum 0.9: `_nesterov`) or `combine="mean"` '
+                "(`_mean`): the Adasum of 10-step pseudo-gradients applied as they are overshoots "
+                "(docs/local_sgd.md). One run each."
             ).format(lr=target["lr"], every=target["eval_every"], n=target["val_samples"]),
             "",
             _table(

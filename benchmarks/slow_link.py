@@ -31,6 +31,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -72,18 +73,23 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         for c in (False, True)
     },
     "ceiling": ("ddp_adasum", {"sync_every": 1000}),
-    # Other settings of the window of 10 steps, for the time to the target loss.
-    "adasum_s10_mean": ("ddp_adasum", {"sync_every": 10, "combine": "mean"}),
-    "adasum_s10_nesterov": (
-        "ddp_adasum",
-        {
-            "sync_every": 10,
-            "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
-        },
-    ),
 }
 #: The variants of a block whose ``variants`` is ``"all"``: those of the steps/s comparison.
-THROUGHPUT = tuple(v for v in VARIANTS if v not in ("adasum_s10_mean", "adasum_s10_nesterov"))
+THROUGHPUT = tuple(VARIANTS)
+#: How the pseudo-gradients of a window are applied, for the time to the target loss (without either, the
+#: Adasum of 10-step pseudo-gradients overshoots: docs/local_sgd.md).
+COMBINATIONS = {
+    "mean": {"combine": "mean"},
+    "nesterov": {"outer_optimizer": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True)},
+}
+VARIANTS.update(
+    {
+        f"{name}_{c}": ("ddp_adasum", {**VARIANTS[name][1], **kwargs})
+        for name in THROUGHPUT
+        if name.startswith("adasum_s10")
+        for c, kwargs in COMBINATIONS.items()
+    }
+)
 #: The ratios reported per round, (numerator, denominator, target or None); ``best_s10``: the fastest
 #: ``sync_every=10`` variant of that rig and rate (by median steps/s).
 RATIOS = (
@@ -459,14 +465,15 @@ def summarise(runs: list[dict], variants: list[str]) -> dict:
     return summary
 
 
-def to_target(cfg: dict, out_dir: Path, data: str, best: dict[str, float]) -> dict:
-    """Training time to the target validation loss on the loopback rig: Lightning ``ddp`` first; each
-    other variant capped at ``ddp``'s time to the target (not reached by then: not faster)."""
+def to_target(cfg: dict, out_dir: Path, data: str, speed: dict[str, float]) -> dict:
+    """Training time to the target validation loss on the loopback rig: Lightning ``ddp`` first, then
+    post-local SGD and the fastest ``sync_every=10`` settings of ``ddp_adasum`` (``speed``: steps/s by
+    variant) with each of :data:`COMBINATIONS`; each capped at ``ddp``'s time (not reached by then: not
+    faster)."""
     tcfg = cfg["target"]
-    variants = ["ddp", "post_local_sgd_10"]
-    s10 = [v for v in tcfg["adasum_candidates"] if v in best]
-    if s10:
-        variants.append(max(s10, key=best.get))
+    s10 = [v for v in speed if v.startswith("adasum_s10") and v in THROUGHPUT]
+    wire = max(s10, key=speed.get)
+    variants = ["ddp", "post_local_sgd_10", *(f"{wire}_{c}" for c in tcfg["combinations"])]
     runs, cap = [], tcfg["max_train_s"]
     for variant in tqdm(variants, desc="slow_link to target", unit="run"):
         out = out_dir / "runs" / "slow_link_target"
@@ -491,14 +498,13 @@ def run(cfg: dict, out_dir: Path, data: str) -> dict:
     """The part: every block of ``cfg["blocks"]`` (rig, rate, variants, rounds), then the time to target."""
     from tests.twohosts import unavailable_reason
 
-    reason = unavailable_reason()
+    reason = unavailable_reason() or (None if shutil.which("tc") else "the rate limits need tc (iproute2)")
     if reason:
         return {"config": cfg, "unavailable": reason}
     start = time.perf_counter()
     blocks = [throughput(block, cfg, out_dir, data) for block in cfg["blocks"]]
-    first = blocks[0]["summary"]["variants"]
-    best = {v: row["steps_per_s"]["median"] for v, row in first.items()}
-    target = to_target(cfg, out_dir, data, best) if cfg.get("target") else None
+    speed = {v: row["steps_per_s"]["median"] for v, row in blocks[0]["summary"]["variants"].items()}
+    target = to_target(cfg, out_dir, data, speed) if cfg.get("target") else None
     seconds = time.perf_counter() - start
     tqdm.write(f"[slow_link] took {seconds / 60:.1f} min")
     return {"config": cfg, "blocks": blocks, "target": target, "seconds": seconds}

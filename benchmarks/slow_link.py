@@ -16,9 +16,10 @@ Lightning's post-local SGD with its DDP communication hook registered by hand (:
 Lightning registers hooks on CUDA only). Model: the MLP 784 → 4 × 2048 → 10 of ``benchmarks/loops.py``
 (14.2 M parameters, 57 MB float32), SGD momentum 0.9, batch 64 per rank, MNIST, one thread per process.
 
-Worker usage (one job; rank 0 writes OUT):
-    python -m benchmarks.slow_link OUT.json --variant NAME --steps S --skip K [--devices 2 | --num-nodes 2]
-    python -m benchmarks.slow_link OUT.json --variant NAME --steps MAX --target-loss L --eval-every E
+Worker usage (one job, a fit per variant in the processes Lightning starts once; rank 0 writes
+``OUT/<variant>.json``; the part itself: ``python -m benchmarks --only slow_link``):
+    python -m benchmarks.slow_link OUT --variants NAME:SKIP:STEPS,... [--devices 2 | --num-nodes 2]
+    python -m benchmarks.slow_link OUT --variants NAME --steps MAX --target-loss L --eval-every E
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """``python -m benchmarks [--quick] [--only PART,...]``: run the benchmarks and write the results.
 
-Parts, in order: ``study`` (real processes; ``horovod_adasum``, ``ddp_adasum`` and averaging),
-``simulated`` (validation + N = 8 … 64), ``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s),
-``overhead`` (Lightning vs raw Horovod loop), ``loops`` (the three forms of ``ddp_adasum`` — plain loop,
-Fabric, Trainer — and DDP, on the example's CNN and a 57 MB MLP), ``local_sgd_throughput`` (the Trainer's
-``ddp_adasum`` every step and with ``sync_every=10`` beside ``ddp`` on that MLP), ``fsdp_memory`` (peak
-memory per rank and step time of ``fsdp_adasum`` beside Lightning's HSDP on the same 2 × 2 mesh, that MLP),
-``allreduce`` (Adasum vs
-Average vs Sum; ``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
+Parts, in order: ``study`` (real processes; ``horovod_adasum``, ``ddp_adasum`` and averaging), ``simulated``
+(validation + N = 8 … 64), ``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s), ``overhead``
+(Lightning vs raw Horovod loop), ``loops`` (the three forms of ``ddp_adasum`` — plain loop, Fabric, Trainer —
+and DDP, on the example's CNN and a 57 MB MLP), ``local_sgd_throughput`` (the Trainer's ``ddp_adasum`` every
+step and with ``sync_every=10`` beside ``ddp`` on that MLP), ``fsdp_memory`` (peak memory per rank and step
+time of ``fsdp_adasum`` beside Lightning's HSDP on the same 2 × 2 mesh, that MLP), ``slow_link`` (that MLP on
+a rate-limited link: Lightning ``ddp``, its post-local SGD and ``ddp_adasum``'s variants, steps/s and time to
+a target loss; ``benchmarks/slow_link.py``; needs root), ``allreduce`` (Adasum vs Average vs Sum;
+``adasum_allreduce`` over Gloo vs Horovod's Adasum), ``memory`` (peak RSS), then ``report``
 (``docs/benchmarks.md`` and its PNGs). Not run by default: ``study_ddp`` (only the study's ``ddp_adasum``
 rows, with ``horovod_adasum`` re-run beside them, merged into an existing ``study_real.json``) and
 ``local_sgd`` (DiLoCo / local SGD with Adasum or averaging, ``benchmarks/local_sgd.py``; ≈ 2.3 CPU-hours,
-``--quick`` ≈ 20 s; writes ``local_sgd.json`` and its PNGs, docs/local_sgd.md reads them). ``make
-bench`` runs everything with :data:`FULL`; ``make bench-quick`` runs :data:`QUICK` into
-``benchmarks/results/quick/`` (the docs are left alone; its report goes to
-``benchmarks/results/quick/report.md``). Each part's wall time is merged into ``timings.json`` (latest run
-of each part, with its date).
+``--quick`` ≈ 20 s; writes ``local_sgd.json`` and its PNGs, docs/local_sgd.md reads them). ``make bench`` runs
+everything with :data:`FULL`; ``make bench-quick`` runs :data:`QUICK` into ``benchmarks/results/quick/`` (the
+docs are left alone; its report goes to ``benchmarks/results/quick/report.md``). Each part's wall time is
+merged into ``timings.json`` (latest run of each part, with its date).
 """
 
 from __future__ import annotations
@@ -41,6 +41,16 @@ from benchmarks.common import (
     torchrun,
     write_results,
 )
+
+#: ``slow_link``'s variants at the slower rate and on the second rig (what the target ratios need).
+SLOW_LINK_HEADLINE = [
+    "ddp",
+    "post_local_sgd_10",
+    "adasum_bf16",
+    "adasum_s10",
+    "adasum_s10_overlap_bf16",
+    "ceiling",
+]
 
 #: ``make bench``: sized for a 2-core machine (its duration: docs/benchmarks.md).
 FULL = {
@@ -83,6 +93,33 @@ FULL = {
     "fsdp_memory_shard_size": 2,
     "fsdp_memory_repeats": 3,
     "fsdp_memory_steps": 30,
+    # Rig, link rate, variants (benchmarks/slow_link.py) and interleaved rounds per block; warm-up and timed
+    # steps by the variant's period (whole windows: the timed steps hold exactly timed / period exchanges).
+    "slow_link": {
+        "blocks": [
+            {"rig": "loopback", "rate": "1gbit", "variants": "all", "rounds": 3},
+            {
+                "rig": "loopback",
+                "rate": "250mbit",
+                "variants": SLOW_LINK_HEADLINE,
+                "rounds": 2,
+                "steps": {"1": [2, 4]},
+            },
+            {"rig": "two_hosts", "rate": "1gbit", "variants": SLOW_LINK_HEADLINE, "rounds": 2},
+        ],
+        "steps": {"1": [3, 10], "10": [10, 20], "50": [50, 50], "1000": [10, 40]},
+        "timeout_s": 600,
+        "target": {
+            "rate": "1gbit",
+            "lr": 0.05,
+            "target_loss": 0.25,
+            "eval_every": 10,
+            "val_samples": 1000,
+            "max_steps": 1000,
+            "max_train_s": 240,
+            "combinations": ["nesterov", "mean"],
+        },
+    },
 }
 
 #: ``make bench-quick``: the same pipeline, reduced (its time limit: docs/development.md).
@@ -115,6 +152,15 @@ QUICK = {
     "local_sgd_throughput_steps": {"mlp": 30},
     "fsdp_memory_repeats": 1,
     "fsdp_memory_steps": 15,
+    "slow_link": {
+        **FULL["slow_link"],
+        "blocks": [
+            {"rig": "loopback", "rate": "1gbit", "variants": "all", "rounds": 1},
+            {"rig": "two_hosts", "rate": "1gbit", "variants": ["ddp", "adasum_s10", "ceiling"], "rounds": 1},
+        ],
+        "steps": {"1": [1, 3], "10": [10, 10], "50": [50, 50], "1000": [5, 20]},
+        "target": {**FULL["slow_link"]["target"], "target_loss": 0.8, "max_steps": 100, "max_train_s": 60},
+    },
 }
 
 #: The forms the ``local_sgd_throughput`` part compares: every-step Adasum, local SGD (H = 10) and DDP.
@@ -128,6 +174,7 @@ PARTS = [
     "loops",
     "local_sgd_throughput",
     "fsdp_memory",
+    "slow_link",
     "allreduce",
     "memory",
     "report",
@@ -515,6 +562,12 @@ def main() -> None:
         start = time.perf_counter()
         save("fsdp_memory", {"config": cfg, **fsdp_memory(cfg, out_dir)})
         timings["fsdp_memory"] = time.perf_counter() - start
+    if "slow_link" in parts:
+        from benchmarks.slow_link import run as slow_link
+
+        start = time.perf_counter()
+        save("slow_link", slow_link(cfg["slow_link"], out_dir, root))
+        timings["slow_link"] = time.perf_counter() - start
     if "allreduce" in parts:
         start = time.perf_counter()
         save("allreduce", {"config": cfg, **allreduce(cfg, out_dir)})

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -257,17 +258,22 @@ def horovodrun(
 
 
 def lightning_launch(
-    args: list[str], *, timeout: float = 1800, log: Path | None = None, retries: int = 2
+    args: list[str],
+    *,
+    timeout: float = 1800,
+    log: Path | None = None,
+    retries: int = 2,
+    prefix: Sequence[str] = (),
 ) -> float:
-    """Run ``python -m <args>`` as one plain process; the script's ``Trainer(devices=N)`` makes Lightning
-    start the other N − 1 processes (its subprocess launcher: how users launch ``ddp_adasum``). One intra-op
-    thread per process; returns the wall time in seconds of the successful attempt (retries as
-    :func:`horovodrun`).
+    """Run ``python -m <args>`` as one plain process (after ``prefix``, e.g. ``ip netns exec NS``); the
+    script's ``Trainer(devices=N)`` makes Lightning start the other N − 1 processes (its subprocess launcher:
+    how users launch ``ddp_adasum``). One intra-op thread per process; returns the wall time in seconds of
+    the successful attempt (retries as :func:`horovodrun`).
 
     Raises:
         RuntimeError: the last attempt failed (with the end of its output).
     """
-    return _run_job([sys.executable, "-m", *args], timeout=timeout, log=log, retries=retries)
+    return _run_job([*prefix, sys.executable, "-m", *args], timeout=timeout, log=log, retries=retries)
 
 
 def torchrun(

@@ -69,13 +69,14 @@ IMPLS = (
 )
 
 
-def make_model(name: str) -> nn.Module:
+def make_model(name: str, hidden: int = 2048) -> nn.Module:
+    """``cnn`` or ``mlp`` (784 → 4 × ``hidden`` → 10, ReLU, log-softmax)."""
     if name == "cnn":
         return MNISTCNN()
     layers, width = [nn.Flatten()], 784
     for _ in range(4):
-        layers += [nn.Linear(width, 2048), nn.ReLU()]
-        width = 2048
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
     return nn.Sequential(*layers, nn.Linear(width, 10), nn.LogSoftmax(dim=1))
 
 

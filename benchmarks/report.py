@@ -554,6 +554,9 @@ def write_report(directory: Path, quick: bool = False) -> Path:
     fsdp_memory = _load(directory, "fsdp_memory")
     if fsdp_memory:
         md += _fsdp_memory_section(fsdp_memory)
+    slow_link = _load(directory, "slow_link")
+    if slow_link:
+        md += _slow_link_section(slow_link, fig_dir / f"{prefix}slow_link.png")
     path = out_md
     text = "\n".join(md) + "\n"
     notes = DOCS / "benchmarks_notes.md"
@@ -942,6 +945,144 @@ def _adasum_allreduce_section(jobs: list[dict]) -> list[str]:
                 "",
             ]
     return md
+
+
+def _slow_link_section(result: dict, png: Path) -> list[str]:
+    """Part ``slow_link``: steps/s per variant on a rate-limited link, the fraction of the ceiling and the
+    target ratios per rig and rate; the training time to the target validation loss."""
+    md = [
+        "## A slow link (part `slow_link`)",
+        "",
+        "The MLP of the training loops (784 → 4 × 2048 → 10, 57 MB float32), SGD momentum 0.9, batch "
+        "64 per rank, MNIST, N = 2, Gloo, one thread per process, on a rate-limited link "
+        "(`benchmarks/slow_link.py`). Rig `loopback`: both ranks in one network namespace whose `lo` "
+        "passes a token bucket (`tc qdisc add dev lo root tbf rate RATE burst 1mb latency 500ms`): "
+        "both directions share it. Rig `two_hosts`: the emulated hosts of `tests/twohosts.py`, one "
+        "rank each, a bucket on each end of their link (one per direction: twice the shared bucket's "
+        "throughput). `post_local_sgd_10`: Lightning's `DDPStrategy(model_averaging_period=10)` with "
+        "`post_localSGD_hook` registered by hand (`PostLocalSGDState`, one rank per subgroup, "
+        "`start_localSGD_iter=1`; Lightning registers DDP hooks on CUDA only); `ceiling`: "
+        "`sync_every=1000`, no exchange in the timed steps. A round is one job (its own namespaces) "
+        "fitting every variant once in the same processes, the order rotated each round; steps/s of "
+        "rank 0 over the timed steps (warm-up and timed steps by the variant's period: "
+        + ", ".join(f"H = {h}: {a} + {b}" for h, (a, b) in result["config"]["steps"].items())
+        + "; whole windows, so the timed steps hold timed / H exchanges). Fraction of the ceiling and "
+        "ratios: within each round, median [min, max] of the rounds.",
+        "",
+    ]
+    if result.get("unavailable"):
+        return [*md, f"Not run: {result['unavailable']}.", ""]
+    for block in result["blocks"]:
+        summary = block["summary"]
+        md += [f"### {block['rig']}, {block['rate']}, {block['rounds']} rounds", ""]
+        md.append(
+            _table(
+                ["variant", "strategy, keyword arguments", "steps/s", "fraction of the ceiling"],
+                [
+                    [
+                        v,
+                        _kwargs_label(block["runs"], v),
+                        _spread(row["steps_per_s"]),
+                        _spread(row["fraction_of_ceiling"]) if "fraction_of_ceiling" in row else "",
+                    ]
+                    for v, row in summary["variants"].items()
+                ],
+            )
+        )
+        md += [""]
+        if block["skipped"]:
+            md += ["Skipped: " + "; ".join(f"`{v}` ({why})" for v, why in block["skipped"].items()) + ".", ""]
+        md += [
+            _table(
+                ["ratio (per round)", "numerator", "median [min, max]", "target"],
+                [
+                    [
+                        key,
+                        r["numerator"],
+                        _spread(r, 3),
+                        ""
+                        if r["target"] is None
+                        else f"≥ {r['target']}: {'met' if r['median'] >= r['target'] else 'not met'}",
+                    ]
+                    for key, r in summary["ratios"].items()
+                ],
+            ),
+            "",
+        ]
+    _slow_link_plot(result["blocks"], png)
+    md += [f"![steps/s on a slow link]({png.name})", ""]
+    target = result.get("target")
+    if target:
+        md += [
+            f"### Training time to validation loss {target['target_loss']} ({target['rate']}, loopback)",
+            "",
+            (
+                "Inner lr {lr}; every {every} steps after the variant's syncs (post-local SGD: 2 "
+                "steps later, after its averaging) each rank's model is evaluated on the first {n} "
+                "images of MNIST's test split, and the loss is averaged over the ranks. Training "
+                "time: from the first step's start to the end of the step that reached the target, "
+                "the evaluations left out (process start, set-up and the end of fit too). Lightning "
+                "`ddp` runs first; each other variant stops at `ddp`'s time (not reached by then: not"
+                " faster). Then post-local SGD and the fastest `sync_every=10` settings of the table above "
+                'with an outer Nesterov SGD (lr 0.1, momentum 0.9: `_nesterov`) or `combine="mean"` '
+                "(`_mean`): the Adasum of 10-step pseudo-gradients applied as they are overshoots "
+                "(docs/local_sgd.md). One run each."
+            ).format(lr=target["lr"], every=target["eval_every"], n=target["val_samples"]),
+            "",
+            _table(
+                [
+                    "variant",
+                    "steps to the target",
+                    "training s",
+                    "ddp's s / this",
+                    "last val_loss",
+                    "last val_acc",
+                ],
+                [
+                    [
+                        r["variant"],
+                        r["reached"]["step"] if r["reached"] else "not reached",
+                        f"{r['reached']['train_s']:.1f}" if r["reached"] else f"> {r['train_s']:.1f}",
+                        f"{r['ddp_train_s_over_this']:.2f}" if r["ddp_train_s_over_this"] else "",
+                        f"{r['history'][-1]['val_loss']:.3f}" if r["history"] else "",
+                        f"{r['history'][-1]['val_acc']:.3f}" if r["history"] else "",
+                    ]
+                    for r in target["runs"]
+                ],
+            ),
+            "",
+        ]
+    md += [f"The part took {result['seconds'] / 60:.1f} min.", ""]
+    return md
+
+
+def _kwargs_label(runs: list[dict], variant: str) -> str:
+    run = next(r for r in runs if r["variant"] == variant)
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in run["strategy_kwargs"].items())
+    return f"`{run['strategy']}`" + (f" `{kwargs}`" if kwargs else "")
+
+
+def _slow_link_plot(blocks: list[dict], path: Path) -> None:
+    """Bars of median steps/s per variant, one per rig and rate, with the rounds' range."""
+    variants = list(dict.fromkeys(v for b in blocks for v in b["summary"]["variants"]))
+    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(variants) + 2), 4.2))
+    width = 0.8 / len(blocks)
+    for k, block in enumerate(blocks):
+        rows = block["summary"]["variants"]
+        xs = [i + (k - (len(blocks) - 1) / 2) * width for i, v in enumerate(variants) if v in rows]
+        stats = [rows[v]["steps_per_s"] for v in variants if v in rows]
+        med = [st["median"] for st in stats]
+        err = [[m - st["min"] for m, st in zip(med, stats, strict=True)],
+               [st["max"] - m for m, st in zip(med, stats, strict=True)]]  # fmt: skip
+        ax.bar(xs, med, width, yerr=err, capsize=3, label=f"{block['rig']}, {block['rate']}")
+    ax.set_xticks(range(len(variants)), variants, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("steps/s (median; bar: range of the rounds)")
+    ax.set_title("MLP 57 MB, N = 2, on a rate-limited link")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _allreduce_plot(ared: dict, path: Path) -> None:

@@ -125,6 +125,12 @@ def _check(*args: str) -> None:
         raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
 
 
+def netns_pids(netns: str) -> list[int]:
+    """Processes now in network namespace ``netns``."""
+    proc = _sh("ip", "netns", "pids", netns)
+    return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
+
+
 class TwoHosts:
     """hostA and hostB; see the module docstring. Build with :func:`two_hosts` (it always tears down)."""
 
@@ -171,8 +177,7 @@ class TwoHosts:
 
     def pids(self, host: str) -> list[int]:
         """Processes now in ``host``'s network namespace."""
-        proc = _sh("ip", "netns", "pids", self.netns[host])
-        return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
+        return netns_pids(self.netns[host])
 
     def all_pids(self) -> dict[str, list[int]]:
         return {host: self.pids(host) for host in HOSTS}

@@ -17,6 +17,11 @@ arXiv:1808.07217):
    with ``−Δ`` as its gradient (DiLoCo: Nesterov SGD, lr 0.7, momentum 0.9);
 5. every worker continues from the new ``θ_sync`` (its inner-optimizer state is kept).
 
+``overlap=True`` is ``overlap_sync=True`` (docs/local_sgd.md): the combined ``Δ`` of a round is applied at the
+end of the next round, and each worker continues from the newest ``θ_sync`` plus its own ``Δ_w`` meanwhile;
+the last round's ``Δ`` is applied at the end (the flush). ``compression="bf16"`` / ``"fp16"`` rounds what the
+combine sends to that dtype (:func:`combine_deltas`).
+
 The N workers run as one batched computation: each parameter is stacked along a leading worker dimension
 (``(N, *shape)``) and the model is applied per worker with ``torch.func.vmap`` over
 ``torch.func.functional_call``; the loss summed over workers gives each worker's slice its own gradient.
@@ -34,6 +39,7 @@ float32 bucket: for ``"mean"`` the ring allreduce's ``2 (N−1)/N · B`` (reduce
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -54,6 +60,8 @@ from examples.mnist_torch import MNISTCNN
 
 ROOT = Path(__file__).resolve().parents[1]
 COMBINES = ("adasum", "mean")
+#: The wire dtypes of ``compression`` (``"none"``: float32).
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # ---------------------------------------------------------------------------------------------------------
 # Bytes sent per rank
@@ -119,11 +127,14 @@ def adasum_allreduce_bytes(counts: Sequence[int], elem_size: int, world_size: in
     return sent
 
 
-def bytes_per_round(model: nn.Module, world_size: int, combine: str) -> dict[str, float]:
+def bytes_per_round(
+    model: nn.Module, world_size: int, combine: str, compression: str = "none"
+) -> dict[str, float]:
     """Bytes one rank sends per outer round: ``mean_per_rank`` (over ranks) and ``max_per_rank``, for the
-    model's parameters as one float32 bucket; ``param_bytes`` is that bucket's size."""
+    model's parameters as one bucket of the wire dtype (float32, or ``compression``'s); ``param_bytes`` is
+    that bucket's size."""
     counts = [p.numel() for p in model.parameters()]
-    elem = next(model.parameters()).element_size()
+    elem = next(model.parameters()).element_size() if compression == "none" else 2
     b = sum(counts) * elem
     if combine == "mean":
         ring = ring_allreduce_bytes(b, world_size)
@@ -139,14 +150,40 @@ def bytes_per_round(model: nn.Module, world_size: int, combine: str) -> dict[str
 # The simulator
 
 
-def combine_deltas(deltas: Sequence[torch.Tensor], combine: str) -> torch.Tensor:
-    """The workers' pseudo-gradients of one parameter tensor (N tensors, one shape) combined: their Adasum
-    in the allreduce's pairing order, or their mean."""
+def combine_deltas(deltas: Sequence[torch.Tensor], combine: str, compression: str = "none") -> torch.Tensor:
+    """The workers' pseudo-gradients of one parameter tensor (N float32 tensors, one shape) combined: their
+    Adasum in the allreduce's pairing order, or their mean; float32.
+
+    With ``compression`` ``"bf16"`` / ``"fp16"`` every sent piece is rounded to that dtype: Adasum of the
+    rounded deltas, each level computed in float64 and rounded once; the mean of the rounded deltas summed
+    in float32 in rank order, divided by N and rounded once.
+    """
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    if compression == "none":
+        return adasum_reduce(deltas) if combine == "adasum" else torch.stack(list(deltas)).mean(0)
+    wire = WIRE_DTYPES[compression]
     if combine == "adasum":
-        return adasum_reduce(deltas)
-    if combine == "mean":
-        return torch.stack(list(deltas)).mean(0)
-    raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+        return adasum_reduce([d.to(wire) for d in deltas]).float()
+    total = deltas[0].to(wire).float()
+    for d in deltas[1:]:
+        total = total + d.to(wire).float()
+    return (total / len(deltas)).to(wire).float()
+
+
+def outer_update(
+    theta: list[torch.Tensor], combined: list[torch.Tensor], outer: torch.optim.Optimizer | None
+) -> None:
+    """``θ_sync ← U(θ_sync, Δ)`` in place: ``θ_sync + Δ``, or one outer-optimizer step with ``−Δ`` as the
+    gradient."""
+    if outer is None:
+        for t, d in zip(theta, combined, strict=True):
+            t.add_(d)
+        return
+    for t, d in zip(theta, combined, strict=True):
+        t.grad = -d
+    outer.step()
+    outer.zero_grad(set_to_none=True)
 
 
 def simulate_diloco(
@@ -162,6 +199,8 @@ def simulate_diloco(
     eval_fn: Callable[[nn.Module], float] | None = None,
     eval_every: int = 1,
     diverge_factor: float = 2.0,
+    overlap: bool = False,
+    compression: str = "none",
 ) -> dict[str, Any]:
     """Run ``rounds`` outer rounds of DiLoCo / local SGD with ``N = len(shards)`` simulated workers.
 
@@ -178,9 +217,12 @@ def simulate_diloco(
         rounds: outer rounds.
         loss_fn: ``loss_fn(model(inputs), targets)``, a scalar per worker.
         eval_fn: ``eval_fn(model)`` with ``θ_sync`` loaded, e.g. a validation loss; called before the first
-            round and after every ``eval_every`` rounds and the last.
+            round and after every ``eval_every`` rounds and the last. With ``overlap`` it sees the flushed
+            ``θ_sync`` (the pending ``Δ`` applied to a copy): what a run ending at that round hands out.
         diverge_factor: the run stops early (``diverged``) once an evaluation is not finite or exceeds
             ``diverge_factor`` × the initial one.
+        overlap: each round's combined ``Δ`` applied one round late (``overlap_sync``, module docstring).
+        compression: ``"none"``, ``"bf16"`` or ``"fp16"``: the combine's wire dtype (:func:`combine_deltas`).
 
     Returns:
         ``history`` ([round, eval] pairs), ``final`` (the last evaluation), ``diverged``, ``model`` (with
@@ -192,6 +234,8 @@ def simulate_diloco(
     names = [k for k, _ in model.named_parameters()]
     theta = [p.detach().clone() for p in model.parameters()]
     stacked = [t.unsqueeze(0).repeat(n, *([1] * t.dim())).requires_grad_() for t in theta]
+    start = [s.detach().clone() for s in stacked]  # each worker's window start
+    pending: list[torch.Tensor] | None = None  # overlap: the combined Δ not yet applied
     inner = inner_optimizer_fn(stacked)
     outer = outer_optimizer_fn(theta) if outer_optimizer_fn is not None else None
 
@@ -201,8 +245,12 @@ def simulate_diloco(
     batched_loss = vmap(worker_loss, randomness="different")
 
     def evaluate() -> float:
+        params = theta
+        if pending is not None:  # the flush, on a copy
+            ghost, params = copy.deepcopy((outer, theta))
+            outer_update(params, pending, ghost)
         with torch.no_grad():
-            for p, t in zip(model.parameters(), theta, strict=True):
+            for p, t in zip(model.parameters(), params, strict=True):
                 p.copy_(t)
         return float(eval_fn(model))
 
@@ -221,19 +269,20 @@ def simulate_diloco(
             inner.step()
             step += 1
         with torch.no_grad():
-            combined = [
-                combine_deltas(list(s.detach() - t), combine) for s, t in zip(stacked, theta, strict=True)
-            ]
-            if outer is None:
-                for t, d in zip(theta, combined, strict=True):
-                    t.add_(d)
+            deltas = [s.detach() - w for s, w in zip(stacked, start, strict=True)]
+            combined = [combine_deltas(list(d), combine, compression) for d in deltas]
+            if pending is not None:
+                outer_update(theta, pending, outer)
+            if overlap:  # this round's Δ waits; each worker goes on from θ_sync + its own Δ_w
+                pending = combined
+                for s, t, d in zip(stacked, theta, deltas, strict=True):
+                    s.copy_(t + d)
             else:
-                for t, d in zip(theta, combined, strict=True):
-                    t.grad = -d
-                outer.step()
-                outer.zero_grad(set_to_none=True)
-            for s, t in zip(stacked, theta, strict=True):
-                s.copy_(t.unsqueeze(0).expand_as(s))
+                outer_update(theta, combined, outer)
+                for s, t in zip(stacked, theta, strict=True):
+                    s.copy_(t.unsqueeze(0).expand_as(s))
+            for s, w in zip(stacked, start, strict=True):
+                w.copy_(s)
         if eval_fn is not None and (r % eval_every == 0 or r == rounds):
             value = evaluate()
             history.append([r, value])
@@ -245,6 +294,8 @@ def simulate_diloco(
     else:
         evaluate_final = history[-1][1]
     with torch.no_grad():
+        if pending is not None:  # the flush
+            outer_update(theta, pending, outer)
         for p, t in zip(model.parameters(), theta, strict=True):
             p.copy_(t)
     return {
@@ -402,6 +453,15 @@ METHODS = {
 }
 
 
+#: The forms of the overlap / wire study: (``overlap``, ``compression``).
+FORMS = {
+    "plain": (False, "none"),
+    "bf16": (False, "bf16"),
+    "overlap": (True, "none"),
+    "overlap_bf16": (True, "bf16"),
+}
+
+
 def methods_for(mc: dict, inner: str) -> list[str]:
     """The methods a model's config runs with inner optimizer ``inner``: ``methods`` plus
     ``extra_methods[inner]``."""
@@ -433,6 +493,14 @@ FULL: dict[str, Any] = {
             "method": "adasum_nesterov",
             "outer_lrs": [0.1, 0.35],
         },
+        # overlap_sync and a 16-bit wire, each method at its searched best outer lr
+        "forms": {
+            "inners": ["adamw", "sgdm"],
+            "sizes": [8, 16],
+            "sync_every": [10, 50],
+            "methods": ["adasum_nesterov", "mean_nesterov"],
+            "forms": ["bf16", "overlap", "overlap_bf16"],
+        },
     },
     "lm": {
         "sizes": [4, 8, 16],
@@ -453,10 +521,12 @@ FULL: dict[str, Any] = {
     },
 }
 
-#: The example's CNN: the MLP's grid, with an outer-lr grid of 3 values and without the MLP's extra runs.
+#: The example's CNN: the MLP's grid, with an outer-lr grid of 3 values and without the MLP's extra runs;
+#: overlap and the wire in one cell.
 FULL["cnn"] = {
-    **{k: v for k, v in FULL["mnist"].items() if k not in ("extra_methods", "aim_check")},
+    **{k: v for k, v in FULL["mnist"].items() if k not in ("extra_methods", "aim_check", "forms")},
     "outer_lrs": [0.1, 0.35, 0.7],
+    "forms": {**FULL["mnist"]["forms"], "inners": ["adamw"], "sizes": [8], "sync_every": [10]},
 }
 
 #: ``--quick``: the same pipeline in about a minute.
@@ -466,7 +536,8 @@ QUICK: dict[str, Any] = {
               "eval_every": {"1": 2, "10": 1}, "inners": ["adamw"], "seeds": [1], "search_size": 4,
               "outer_lrs": [0.35, 0.7], "extend_low": 0,
               "aim_check": {"inner": "adamw", "N": 4, "H": 10, "method": "adasum_nesterov",
-                            "outer_lrs": [0.35]}},
+                            "outer_lrs": [0.35]},
+              "forms": {**FULL["mnist"]["forms"], "inners": ["adamw"], "sizes": [4], "sync_every": [10]}},
     "lm": {**FULL["lm"], "sizes": [4], "sync_every": [10], "rounds": {"10": 3}, "eval_every": {"10": 1},
            "inners": ["adamw"], "seeds": [1], "search_size": 4, "outer_lrs": [0.7], "extend_low": 0,
            "corpus_bytes": 300_000, "val_windows": 16},
@@ -528,9 +599,17 @@ class Task:
 
 
 def run_one(
-    task: Task, *, inner: str, method: str, outer_lr: float | None, n: int, h: int, seed: int
+    task: Task,
+    *,
+    inner: str,
+    method: str,
+    outer_lr: float | None,
+    n: int,
+    h: int,
+    seed: int,
+    form: str = "plain",
 ) -> dict:
-    """One simulated run of the study; a JSON-ready record."""
+    """One simulated run of the study (``form`` a key of :data:`FORMS`); a JSON-ready record."""
     cfg = task.cfg
     combine, has_outer = METHODS[method]
     cls, kwargs = INNERS[task.name][inner]
@@ -550,6 +629,7 @@ def run_one(
         return torch.optim.SGD(params, lr=outer_lr, momentum=0.9, nesterov=True)
 
     rounds = cfg["rounds"][str(h)]
+    overlap, compression = FORMS[form]
     out = simulate_diloco(
         model_fn,
         task.shards(n, seed),
@@ -561,21 +641,30 @@ def run_one(
         loss_fn=task.loss_fn,
         eval_fn=task.evaluate,
         eval_every=cfg["eval_every"][str(h)],
+        overlap=overlap,
+        compression=compression,
     )
     record = {
         "model": task.name, "inner": inner, "method": method, "combine": combine,
         "outer_lr": outer_lr if has_outer else None, "N": n, "H": h, "rounds": rounds, "seed": seed,
         "history": out["history"], "final_val": out["final"], "diverged": out["diverged"],
         "worker_steps": out["worker_steps"], "wall_s": out["wall_s"], "cpu_s": out["cpu_s"],
-        "bytes_per_round": bytes_per_round(out["model"], n, combine),
+        "bytes_per_round": bytes_per_round(out["model"], n, combine, compression),
     }  # fmt: skip
+    if form != "plain":
+        record["form"] = form
     if task.name in ("mnist", "cnn") and not out["diverged"]:
         record["final_test"] = task.evaluate(out["model"], "test")
     return record
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["inner"], r["method"], r["outer_lr"], r["N"], r["H"], r["seed"])
+    return (r["model"], r["inner"], r["method"], r["outer_lr"], r["N"], r["H"], r["seed"], _form(r))
+
+
+def _form(r: dict) -> str:
+    """A run's key of :data:`FORMS` (runs of the main study carry none: ``"plain"``)."""
+    return r.get("form", "plain")
 
 
 def run_study(
@@ -595,6 +684,7 @@ def run_study(
     def get(task: Task, **kw: Any) -> dict:
         probe = {"model": task.name, **kw, "outer_lr": kw["outer_lr"] if METHODS[kw["method"]][1] else None,
                  "N": kw["n"], "H": kw["h"]}  # fmt: skip
+        probe["form"] = kw.get("form", "plain")
         if _key(probe) in done:
             return done[_key(probe)]
         rec = run_one(task, **kw)
@@ -602,7 +692,8 @@ def run_study(
         runs.append(rec)
         log(
             f"{rec['model']} {rec['inner']} {rec['method']} lr={rec['outer_lr']} N={rec['N']} H={rec['H']} "
-            f"seed={rec['seed']}: val {rec['final_val']:.4f}{' DIVERGED' if rec['diverged'] else ''} "
+            f"seed={rec['seed']} {_form(rec)}: val {rec['final_val']:.4f}"
+            f"{' DIVERGED' if rec['diverged'] else ''} "
             f"({rec['cpu_s']:.1f} CPU-s)"
         )
         _write(out_path, {"config": cfg, "runs": runs, "best_outer_lr": best})
@@ -635,6 +726,16 @@ def run_study(
                         lr = best.get(f"{model}/{inner}/H{h}/{method}")
                         for seed in mc["seeds"]:
                             get(task, inner=inner, method=method, outer_lr=lr, n=n, h=h, seed=seed)
+        forms = mc.get("forms")
+        for inner in forms["inners"] if forms else []:
+            for h in forms["sync_every"]:
+                for n in forms["sizes"]:
+                    for method in forms["methods"]:
+                        lr = best[f"{model}/{inner}/H{h}/{method}"]
+                        for form in forms["forms"]:
+                            for seed in mc["seeds"]:
+                                get(task, inner=inner, method=method, outer_lr=lr, n=n, h=h, seed=seed,
+                                    form=form)  # fmt: skip
         check = mc.get("aim_check")
         if check:  # the aim's cell at other outer lrs (the search ran at N = search_size)
             for lr in check["outer_lrs"]:
@@ -644,6 +745,7 @@ def run_study(
     result = {"config": cfg, "runs": runs, "best_outer_lr": best}
     result["summary"] = summarize(result)
     result["aim"] = aim(result)
+    result["forms_summary"] = summarize_forms(result)
     result["cpu_s_this_invocation"] = time.process_time() - start
     result["cpu_s_runs_total"] = sum(r["cpu_s"] for r in runs)
     _write(out_path, result)
@@ -688,6 +790,7 @@ def _final_runs(result: dict) -> dict[tuple, list[dict]]:
         )
         if (
             r["outer_lr"] == lr
+            and _form(r) == "plain"
             and r["seed"] in cfg[r["model"]]["seeds"]
             and r["N"] in cfg[r["model"]]["sizes"]
         ):
@@ -783,8 +886,8 @@ def aim(result: dict, n: int = 16, h: int = 50, ratio: float = 0.8) -> list[dict
                 rs = [
                     r
                     for r in result["runs"]
-                    if (r["model"], r["inner"], r["method"], r["outer_lr"], r["N"], r["H"])
-                    == (cell["model"], cell["inner"], method, lr, n, h)
+                    if (r["model"], r["inner"], r["method"], r["outer_lr"], r["N"], r["H"], _form(r))
+                    == (cell["model"], cell["inner"], method, lr, n, h, "plain")
                     and r["seed"] in result["config"][cell["model"]]["seeds"]
                 ]
                 per_seed = [_first_round_at_or_below(r["history"], cell["target"]) for r in rs]
@@ -805,6 +908,57 @@ def aim(result: dict, n: int = 16, h: int = 50, ratio: float = 0.8) -> list[dict
                     }
                 )
     return out
+
+
+def summarize_forms(result: dict) -> list[dict]:
+    """Per cell (model, inner, N, H) of a model's ``forms`` config: per method and form (``plain`` from the
+    main study) the final validation loss over seeds, its change from ``plain`` paired by seed, and the
+    rounds to averaging's final loss (the main study's target: mean + Nesterov, plain)."""
+    cfg, best = result["config"], result["best_outer_lr"]
+    targets = {(c["model"], c["inner"], c["N"], c["H"]): c["target"] for c in result["summary"]}
+    runs: dict[tuple, dict[int, dict]] = {}
+    for r in result["runs"]:
+        key = (r["model"], r["inner"], r["N"], r["H"], r["method"], _form(r))
+        if r["outer_lr"] == best.get(f"{r['model']}/{r['inner']}/H{r['H']}/{r['method']}"):
+            runs.setdefault(key, {})[r["seed"]] = r
+    cells = []
+    for model in cfg["models"]:
+        mc, fc = cfg[model], cfg[model].get("forms")
+        for inner in fc["inners"] if fc else []:
+            for h in fc["sync_every"]:
+                for n in fc["sizes"]:
+                    target = targets.get((model, inner, n, h))
+                    cell = {"model": model, "inner": inner, "N": n, "H": h, "rounds": mc["rounds"][str(h)],
+                            "target": target, "methods": {}}  # fmt: skip
+                    for method in fc["methods"]:
+                        plain = runs.get((model, inner, n, h, method, "plain"), {})
+                        cell["methods"][method] = per_form = {}
+                        for form in ["plain", *fc["forms"]]:
+                            got = runs.get((model, inner, n, h, method, form), {})
+                            rs = [got[s] for s in mc["seeds"] if s in got]
+                            ok = [r for r in rs if not r["diverged"]]
+                            reached = (
+                                [_first_round_at_or_below(r["history"], target) for r in rs] if target else []
+                            )
+                            paired = [r["final_val"] - plain[r["seed"]]["final_val"] for r in ok
+                                      if r["seed"] in plain and not plain[r["seed"]]["diverged"]]  # fmt: skip
+                            worth = [_first_round_at_or_below(plain[r["seed"]]["history"], r["final_val"])
+                                     for r in ok if r["seed"] in plain]  # fmt: skip
+                            per_form[form] = {
+                                "outer_lr": rs[0]["outer_lr"] if rs else None,
+                                "seeds": [r["seed"] for r in rs],
+                                "final_val": _stats([r["final_val"] for r in ok]),
+                                "change_from_plain": _stats(paired),
+                                "diverged": len(rs) - len(ok),
+                                "rounds_to_target": _stats([x for x in reached if x is not None]),
+                                "rounds_to_target_per_seed": reached,
+                                "bytes_per_round": rs[0]["bytes_per_round"] if rs else None,
+                                "plain_rounds_to_final": _stats([x for x in worth if x is not None]),
+                                "plain_rounds_to_final_per_seed": worth,
+                                "cpu_s": sum(r["cpu_s"] for r in rs),
+                            }
+                    cells.append(cell)
+    return cells
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -968,6 +1122,69 @@ def tables(result: dict) -> str:
     return "\n".join(lines)
 
 
+FORM_LABELS = {"plain": "plain", "bf16": "+bf16", "overlap": "+overlap", "overlap_bf16": "+overlap +bf16"}
+
+
+def forms_tables(result: dict) -> str:
+    """Markdown tables of :func:`summarize_forms`, two per model and inner optimizer (one row per N, H and
+    method): the final validation loss of each form with its change from plain, and the rounds to
+    averaging's final loss."""
+    lines: list[str] = []
+    for model, inner in dict.fromkeys((c["model"], c["inner"]) for c in result.get("forms_summary", [])):
+        cells = [c for c in result["forms_summary"] if (c["model"], c["inner"]) == (model, inner)]
+        forms = list(cells[0]["methods"][next(iter(cells[0]["methods"]))])
+        head = ["N", "H", "R", "method", *(FORM_LABELS[f] for f in forms)]
+        lines += [f"Final validation loss, {model}, inner {inner} (mean ± std over seeds; in brackets the "
+                  "change from plain, mean ± std of the per-seed differences):", ""]  # fmt: skip
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in cells:
+            for method, per in c["methods"].items():
+                row = [
+                    str(c["N"]),
+                    str(c["H"]),
+                    str(c["rounds"]),
+                    f"{LABELS[method]} (lr {per['plain']['outer_lr']})",
+                ]
+                for f in forms:
+                    s = per[f]
+                    div = f", {s['diverged']} diverged" if s["diverged"] else ""
+                    change = s["change_from_plain"]
+                    diff = (
+                        f" ({change['mean']:+.2g} ± {change['std']:.2g}{div})"
+                        if f != "plain" and change["mean"] is not None
+                        else (f" ({div[2:]})" if div else "")
+                    )
+                    row.append(_fmt(s["final_val"]) + diff)
+                lines.append("| " + " | ".join(row) + " |")
+        lines += ["", f"Outer rounds to averaging's final loss (plain mean + Nesterov), {model}, inner "
+                  f"{inner} (mean ± std over the seeds that reach it; reached/seeds):", ""]  # fmt: skip
+        head = ["N", "H", "R", "target", "method", *(FORM_LABELS[f] for f in forms)]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in cells:
+            for method, per in c["methods"].items():
+                row = [str(c["N"]), str(c["H"]), str(c["rounds"]),
+                       f"{c['target']:.4f}" if c["target"] else "—", LABELS[method]]  # fmt: skip
+                row += [
+                    _rounds(per[f]["rounds_to_target"], per[f]["rounds_to_target_per_seed"]) for f in forms
+                ]
+                lines.append("| " + " | ".join(row) + " |")
+        lines += ["", "What R rounds of each form are worth: the rounds the plain run (same method and seed) "
+                  f"takes to reach the form's final loss, {model}, inner {inner} (mean ± std; "
+                  "reached/seeds):", ""]  # fmt: skip
+        head = ["N", "H", "R", "method", *(FORM_LABELS[f] for f in forms[1:])]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in cells:
+            for method, per in c["methods"].items():
+                row = [str(c["N"]), str(c["H"]), str(c["rounds"]), LABELS[method]]
+                row += [
+                    _rounds(per[f]["plain_rounds_to_final"], per[f]["plain_rounds_to_final_per_seed"])
+                    for f in forms[1:]
+                ]
+                lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the reduced configuration (about a minute)")
@@ -997,12 +1214,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = json.loads(out.read_text())
         result["summary"] = summarize(result)
         result["aim"] = aim(result)
+        result["forms_summary"] = summarize_forms(result)
         _write(out, {k: v for k, v in result.items() if k not in ("benchmark", "environment")})
     else:
         result = run_study(cfg, out, resume=args.resume)
     for path in plot(result, docs):
         print(f"wrote {path}")
     print(tables(result))
+    print(forms_tables(result))
     for a in result["aim"]:
         print(f"aim N=16 H=50 {a['model']} {a['inner']} {a['method']}: fractions {a['fraction_per_seed']} "
               f"held={a['held']}")  # fmt: skip

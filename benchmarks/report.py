@@ -701,7 +701,7 @@ def _local_sgd_throughput_section(result: dict) -> list[str]:
 def _local_sgd_section(result: dict, fig_dir: Path) -> list[str]:
     """Part ``local_sgd``: the study's tables and figures (``benchmarks/local_sgd.py``; the reading of them
     is docs/local_sgd.md)."""
-    from benchmarks.local_sgd import tables
+    from benchmarks.local_sgd import forms_tables, tables
 
     cfg = result["config"]
     figures = sorted(p.name for p in fig_dir.glob("local_sgd_*.png"))
@@ -740,6 +740,14 @@ def _local_sgd_section(result: dict, fig_dir: Path) -> list[str]:
         ),
         "",
     ]
+    if result.get("forms_summary"):
+        md += [
+            "`overlap_sync` (each outer update applied one round late) and a bfloat16 wire, each combination "
+            "at its searched outer lr (reading: [local_sgd.md](local_sgd.md)):",
+            "",
+            forms_tables(result),
+            "",
+        ]
     return md
 
 

@@ -41,9 +41,9 @@ def _sgd(lr: float = 0.1, momentum: float = 0.0):
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
-def _weight(shards, combine: str, outer=None, rounds: int = 1, sync_every: int = 1) -> list[float]:
+def _weight(shards, combine: str, outer=None, rounds: int = 1, sync_every: int = 1, **kw) -> list[float]:
     out = simulate_diloco(_linear, shards, sync_every=sync_every, combine=combine, inner_optimizer_fn=_sgd(),
-                          outer_optimizer_fn=outer, rounds=rounds, loss_fn=F.mse_loss)  # fmt: skip
+                          outer_optimizer_fn=outer, rounds=rounds, loss_fn=F.mse_loss, **kw)  # fmt: skip
     return out["model"].weight.detach().flatten().tolist()
 
 
@@ -137,6 +137,119 @@ def test_each_worker_draws_its_own_dropout_masks():
 
     adasum, mean = run("adasum", without_dropout), run("mean", without_dropout)
     torch.testing.assert_close(adasum, mean, rtol=0, atol=1e-7)
+
+
+def test_overlap_applies_each_combined_update_one_window_late_from_the_eager_point():
+    # H = 1, mean, no outer optimizer; worker w only moves w_w by −0.2 w_w. Window 0: Δ = (−0.1, −0.2),
+    # the workers go on from (0.8, 2) and (1, 1.6); window 1 applies it (g = (0.9, 1.8)), its Δ from those
+    # points is (−0.08, −0.16); window 2: g = (0.82, 1.64), Δ = (−0.074, −0.148); the flush: (0.746, 1.492).
+    # Without overlap every window multiplies w by 0.9: (0.729, 1.458).
+    shards = [_fixed(E0), _fixed(E1)]
+    assert _weight(shards, "mean", rounds=3, overlap=True) == pytest.approx([0.746, 1.492], abs=1e-6)
+    assert _weight(shards, "mean", rounds=3) == pytest.approx([0.729, 1.458], abs=1e-6)
+    # Adasum adds the orthogonal changes, and each worker's own coordinate is then already up to date
+    assert _weight(shards, "adasum", rounds=3, overlap=True) == pytest.approx([0.512, 1.024], abs=1e-6)
+
+
+def test_overlap_equals_the_algorithm_written_out_and_evaluates_the_flushed_point():
+    """docs/local_sgd.md's overlap_sync, step by step, with separate models: 3 workers, AdamW inner, 3
+    windows of 2 steps, with a Nesterov outer optimizer and without; the evaluation after window r is the
+    final point of a run of r windows."""
+    torch.manual_seed(2)
+    template = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    init = {k: v.clone() for k, v in template.state_dict().items()}
+    n, h, windows = 3, 2, 3
+    data = [[(torch.randn(6, 5), torch.randint(0, 3, (6,))) for _ in range(h * windows)] for _ in range(n)]
+    val = (torch.randn(16, 5), torch.randint(0, 3, (16,)))
+
+    def model_fn() -> nn.Module:
+        m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+        m.load_state_dict(init)
+        return m
+
+    def val_loss(m: nn.Module) -> float:
+        return F.cross_entropy(m(val[0]), val[1]).item()
+
+    adamw = lambda params: torch.optim.AdamW(params, lr=0.05)  # noqa: E731
+    nesterov = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+
+    def written_out(combine: str, outer_fn, rounds: int) -> nn.Module:
+        g = model_fn()  # the global point
+        outer = outer_fn(list(g.parameters())) if outer_fn else None
+        workers = [model_fn() for _ in range(n)]
+        inners = [adamw(list(m.parameters())) for m in workers]
+        starts = [[p.detach().clone() for p in m.parameters()] for m in workers]
+        pending = None
+
+        def apply(c: list[torch.Tensor]) -> None:  # g ← U(g, C)
+            for gp, cp in zip(g.parameters(), c, strict=True):
+                if outer is None:
+                    gp.add_(cp)
+                else:
+                    gp.grad = -cp
+            if outer is not None:
+                outer.step()
+                outer.zero_grad()
+
+        for k in range(rounds):
+            for step in range(k * h, (k + 1) * h):
+                for w, (m, opt) in enumerate(zip(workers, inners, strict=True)):
+                    opt.zero_grad()
+                    F.cross_entropy(m(data[w][step][0]), data[w][step][1]).backward()
+                    opt.step()
+            with torch.no_grad():
+                deltas = [[p - s for p, s in zip(m.parameters(), st, strict=True)]
+                          for m, st in zip(workers, starts, strict=True)]  # fmt: skip
+                if pending is not None:
+                    apply(pending)
+                pending = [combine_deltas([d[i] for d in deltas], combine) for i in range(len(deltas[0]))]
+                for m, d, st in zip(workers, deltas, starts, strict=True):
+                    for p, gp, dp, s in zip(m.parameters(), g.parameters(), d, st, strict=True):
+                        p.copy_(gp + dp)
+                        s.copy_(p)
+        with torch.no_grad():
+            apply(pending)  # the flush
+        return g
+
+    shards = [lambda step, w=w: data[w][step] for w in range(n)]
+    for combine in ("mean", "adasum"):
+        for outer_fn in (nesterov, None):
+            got = simulate_diloco(model_fn, shards, sync_every=h, combine=combine, inner_optimizer_fn=adamw,
+                                  outer_optimizer_fn=outer_fn, rounds=windows, eval_fn=val_loss,
+                                  overlap=True)  # fmt: skip
+            refs = [written_out(combine, outer_fn, r) for r in range(1, windows + 1)]
+            for a, b in zip(got["model"].parameters(), refs[-1].parameters(), strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+            assert [v for _, v in got["history"][1:]] == pytest.approx([val_loss(m) for m in refs], abs=1e-6)
+            plain = simulate_diloco(model_fn, shards, sync_every=h, combine=combine, inner_optimizer_fn=adamw,
+                                    outer_optimizer_fn=outer_fn, rounds=windows)["model"]  # fmt: skip
+            moved = max(
+                (a - b).abs().max().item()
+                for a, b in zip(got["model"].parameters(), plain.parameters(), strict=True)
+            )
+            assert moved > 1e-3  # overlap is not the plain algorithm
+
+
+def test_bf16_wire_moves_the_combination_by_less_than_its_rounding_bound_and_not_zero():
+    # The fixed case: Δ_w = (−0.2, 0), (0, −0.4) travel as bfloat16 −0.2001953125 and −0.400390625
+    shards = [_fixed(E0), _fixed(E1)]
+    bf16 = {"compression": "bf16"}
+    assert _weight(shards, "adasum", **bf16) == [0.7998046875, 1.599609375]
+    assert _weight(shards, "mean", **bf16) == [0.89990234375, 1.7998046875]
+    # Random deltas, u = 2^-8. Mean (elementwise): rounded inputs move it by ≤ u·mean|x_w|, the final
+    # rounding by ≤ u·|result|. Adasum of two (norms): rounded inputs move each projection term by
+    # ≤ 2u‖·‖, so the result by ≤ 2u(‖a‖ + ‖b‖), the final rounding by ≤ u‖result‖.
+    u = 2.0**-8
+    torch.manual_seed(3)
+    xs = [torch.randn(4096) * (w + 1) + 0.5 for w in range(4)]
+    exact, wire = combine_deltas(xs, "mean"), combine_deltas(xs, "mean", "bf16")
+    bound = u * (torch.stack(xs).abs().mean(0) + wire.abs()) + 1e-6
+    assert ((wire - exact).abs() <= bound).all()
+    assert (wire != exact).float().mean() > 0.9
+    exact, wire = combine_deltas(xs[:2], "adasum"), combine_deltas(xs[:2], "adasum", "bf16")
+    bound = u * (2 * (xs[0].norm() + xs[1].norm()) + wire.norm())
+    assert 0.05 * bound < (wire - exact).norm() <= bound
+    assert wire.dtype == torch.float32 and wire.to(torch.bfloat16).float().equal(wire)
 
 
 def test_bytes_per_rank():

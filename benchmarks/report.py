@@ -998,8 +998,6 @@ def _slow_link_section(result: dict, png: Path) -> list[str]:
             )
         )
         md += [""]
-        if block["skipped"]:
-            md += ["Skipped: " + "; ".join(f"`{v}` ({why})" for v, why in block["skipped"].items()) + ".", ""]
         md += [
             _table(
                 ["ratio (per round)", "numerator", "median [min, max]", "target"],

@@ -10,8 +10,7 @@ left in them is killed and they are deleted on the way out, also on errors):
 - ``two_hosts``: the emulated hosts of ``tests/twohosts.py`` with a bucket on each end of their link (one per
   direction), one rank per host (``num_nodes=2``, ``NODE_RANK``, Gloo on ``hvd0``).
 
-The variants (:data:`VARIANTS`) are strategy keyword arguments; one whose keyword the installed
-:class:`~adasum_lightning.DDPAdasumStrategy` does not accept is reported as skipped. ``post_local_sgd_10`` is
+The variants (:data:`VARIANTS`) are strategy keyword arguments. ``post_local_sgd_10`` is
 Lightning's post-local SGD with its DDP communication hook registered by hand (:class:`PostLocalSGDStrategy`:
 Lightning registers hooks on CUDA only). Model: the MLP 784 → 4 × 2048 → 10 of ``benchmarks/loops.py``
 (14.2 M parameters, 57 MB float32), SGD momentum 0.9, batch 64 per rank, MNIST, one thread per process.
@@ -27,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import inspect
 import json
 import os
 import random
@@ -112,15 +110,6 @@ def period(variant: str) -> int:
     return kwargs.get("sync_every") or kwargs.get("model_averaging_period") or 1
 
 
-def missing_keywords(variant: str) -> list[str]:
-    """The keywords of ``variant`` that the installed :class:`DDPAdasumStrategy` does not accept."""
-    from adasum_lightning import DDPAdasumStrategy
-
-    kind, kwargs = VARIANTS[variant]
-    accepted = inspect.signature(DDPAdasumStrategy.__init__).parameters
-    return [k for k in kwargs if kind == "ddp_adasum" and k not in accepted]
-
-
 # ---------------------------------------------------------------------------------------------- the worker
 class PostLocalSGDStrategy(DDPStrategy):
     """``DDPStrategy(model_averaging_period=H)`` with ``post_localSGD_hook`` registered on CPU too: after
@@ -143,7 +132,7 @@ class PostLocalSGDStrategy(DDPStrategy):
 
 
 def make_strategy(variant: str) -> pl.strategies.Strategy:
-    from adasum_lightning import DDPAdasumStrategy
+    from adasum_lightning.trainer import DDPAdasumStrategy
 
     kind, kwargs = VARIANTS[variant]
     cls = {"ddp": DDPStrategy, "post_local_sgd": PostLocalSGDStrategy, "ddp_adasum": DDPAdasumStrategy}[kind]
@@ -426,9 +415,7 @@ def throughput(block: dict, cfg: dict, out_dir: Path, data: str) -> dict:
     """One rig and rate: a job per round (its own namespaces) fitting every variant once, one after the
     other in the same processes, the order rotated each round."""
     variants = list(THROUGHPUT) if block["variants"] == "all" else list(block["variants"])
-    skipped = {v: missing_keywords(v) for v in variants}
-    skipped = {v: f"DDPAdasumStrategy does not accept {', '.join(k)} yet" for v, k in skipped.items() if k}
-    ran = [v for v in variants if v not in skipped]
+    ran = variants
     steps = {**cfg["steps"], **block.get("steps", {})}
     tag = f"{block['rig']}_{block['rate']}"
     runs = []
@@ -442,7 +429,7 @@ def throughput(block: dict, cfg: dict, out_dir: Path, data: str) -> dict:
         wall, command = RIGS[block["rig"]](block["rate"], args, log, cfg["timeout_s"])
         record = {"round": i, "job_wall_s": wall, "loadavg_before": load, "command": command}
         runs += [{**json.loads((out / f"{v}.json").read_text()), **record} for v in order]
-    return {**block, "skipped": skipped, "runs": runs, "summary": summarise(runs, ran)}
+    return {**block, "runs": runs, "summary": summarise(runs, ran)}
 
 
 def summarise(runs: list[dict], variants: list[str]) -> dict:

@@ -102,7 +102,8 @@ def overlapped_local_sgd_reference(
         ]
 
     def combined(d: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        per_parameter = [[d[r][i].to(wire or d[r][i].dtype).float() for r in range(len(d))] for i in range(len(g))]
+        sent = [[t.to(wire or t.dtype).float() for t in d_r] for d_r in d]
+        per_parameter = [[sent[r][i] for r in range(len(d))] for i in range(len(g))]
         if combine == "adasum":
             c = [adasum_reduce(ds) for ds in per_parameter]
         else:

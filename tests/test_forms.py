@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -223,19 +222,19 @@ def test_local_sgd_counts_optimizer_steps_under_accumulation_and_clipping(cases)
     assert not torch.equal(plain[0]["trace"][2], plain[1]["trace"][2])  # step 3: inside the last window
 
 
-def window_exits(**strategy_kwargs):
-    """A fit that ends mid-window (step 3 of a 10-step window, an outer optimizer), with more strategy
-    arguments (each key names the case)."""
+def window_exits(name: str, *args: str):
+    """A fit that ends mid-window (step 3 of a 10-step window, an outer optimizer), with more worker
+    arguments ``args`` (later ones win)."""
     options = ("--sync-every", "10", "--outer-lr", "0.7", "--momentum", "0.9", "--max-steps", "3")
-    extra = ("--strategy-kwargs", json.dumps(strategy_kwargs)) if strategy_kwargs else ()
-    name = "-".join(["forms-window-exits", *strategy_kwargs])
-    return form(name, "trainer", 2, *options, *extra)
+    return form(f"forms-window-exits-{name}", "trainer", 2, *options, *args)
 
 
 WINDOW_EXITS = {
-    "default": window_exits(),
+    "default": window_exits("default"),
     # H = 2: the fit ends with an exchange in flight and a window of one step
-    "overlap_sync-bf16": window_exits(overlap_sync=True, compression="bf16", sync_every=2),
+    "overlap_sync-bf16": window_exits(
+        "overlap-bf16", "--overlap-sync", "--compression", "bf16", "--sync-every", "2"
+    ),
 }
 
 
@@ -413,7 +412,8 @@ OVERLAP = {
 OVERLAP_PLAIN = {
     ("adasum", 0.0, 2): form("forms-overlap-adasum", "plain", 2, *OVERLAP_OPTIONS, "--sync-every", "2"),
     ("adasum", 0.0, 2, "bf16"): form(
-        "forms-overlap-adasum-bf16", "plain", 2, *OVERLAP_OPTIONS, "--sync-every", "2", "--compression", "bf16"
+        "forms-overlap-adasum-bf16", "plain", 2, *OVERLAP_OPTIONS, "--sync-every", "2", "--compression",
+        "bf16",
     ),
     ("mean", 0.7, 3): form(
         "forms-overlap-mean-outer", "plain", 2, *OVERLAP_OPTIONS, "--sync-every", "3", "--combine", "mean",
@@ -469,7 +469,9 @@ def test_overlap_sync_equals_the_algorithm_written_out_one_window_late(key, case
     combine, outer_lr, sync_every, *wire = key
     start, rank_batches = ranks[0]["start"], batches_of_every_rank(2)
     wire_dtype = torch.bfloat16 if wire else None  # compression="bf16": each δ and C rounded to bfloat16
-    reference, end = overlapped_local_sgd_reference(start, rank_batches, sync_every, combine, outer_lr, wire_dtype)
+    reference, end = overlapped_local_sgd_reference(
+        start, rank_batches, sync_every, combine, outer_lr, wire_dtype
+    )
     for r, res in enumerate(ranks):
         assert len(res["trace"]) == 16
         for k, (got, want) in enumerate(zip(res["trace"], reference[r], strict=True)):

@@ -19,7 +19,6 @@ step ``--inf-rank`` skips at optimizer step ``--inf-step`` (an infinite loss on 
 import argparse
 import functools
 import importlib
-import json
 import os
 import warnings
 from pathlib import Path
@@ -57,7 +56,6 @@ p.add_argument("--ddp-wrapped", action="store_true", help="the model wrapped in 
 p.add_argument("--sync-every", type=int, default=1, help="local SGD: optimizer steps between syncs")
 p.add_argument("--combine", default="adasum", choices=("adasum", "mean"))
 p.add_argument("--outer-lr", type=float, default=0.0, help="> 0: an outer Nesterov SGD (momentum 0.9)")
-p.add_argument("--strategy-kwargs", type=json.loads, default={}, help="more local-SGD arguments (JSON)")
 p.add_argument("--compression", default=None, choices=("bf16", "fp16"), help="the wire dtype of the combine")
 p.add_argument("--overlap-sync", action="store_true", help="local SGD: each exchange behind the next window")
 args = p.parse_args(cases.argv())
@@ -81,14 +79,14 @@ def local_sgd() -> dict:
     """The local-SGD and compression arguments of AdasumOptimizer and of the strategies (empty: every step,
     no compression)."""
     wire = {"compression": args.compression} if args.compression else {}
-    if args.sync_every == 1 and args.combine == "adasum" and not args.outer_lr and not args.strategy_kwargs:
+    if args.sync_every == 1 and args.combine == "adasum" and not args.outer_lr:
         return wire
     outer = None
     if args.outer_lr:
         outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True)
     overlap = {"overlap_sync": True} if args.overlap_sync else {}
     return {"sync_every": args.sync_every, "combine": args.combine, "outer_optimizer": outer,
-            **wire, **overlap, **args.strategy_kwargs}  # fmt: skip
+            **wire, **overlap}  # fmt: skip
 
 
 def dataset() -> IndexedData:

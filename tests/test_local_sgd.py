@@ -328,3 +328,15 @@ def test_periodic_sync_every_step_is_the_adasum_step_itself():
     assert not PeriodicSync(
         [p := torch.nn.Parameter(torch.zeros(2))], outer_optimizer=partial([p])
     ).every_step
+
+
+def test_the_setup_line_names_the_wire_and_the_overlap():
+    every_step = DDPAdasumStrategy(compression="bf16", process_group_backend="gloo")
+    assert every_step._describe_reduction() == "Adasum of parameter deltas over gloo, sent as bf16"
+    windows = DDPAdasumStrategy(
+        sync_every=10, combine="mean", compression="fp16", overlap_sync=True, process_group_backend="gloo"
+    )
+    assert windows._describe_reduction() == (
+        "local SGD over gloo: every 10 steps the mean of the pseudo-gradients, sent as fp16, exchanged "
+        "behind the next window's steps, no outer optimizer"
+    )

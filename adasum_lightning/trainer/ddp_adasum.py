@@ -161,14 +161,15 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     @override
     def _describe_reduction(self) -> str:
         overlap = ", bucket by bucket during backward" if self.overlap_backward else ""
+        wire = f", sent as {self.compression}" if self.compression else ""
         if self.sync_every > 1 or self.combine != "adasum" or self.outer_optimizer is not None:
             outer = "an outer optimizer" if self.outer_optimizer is not None else "no outer optimizer"
             behind = ", exchanged behind the next window's steps" if self.overlap_sync else ""
             return (
                 f"local SGD over {self.process_group_backend}: every {self.sync_every} steps the "
-                f"{self.combine} of the pseudo-gradients{behind}, {outer}"
+                f"{self.combine} of the pseudo-gradients{wire}{behind}, {outer}"
             )
-        return f"Adasum of parameter deltas over {self.process_group_backend}{overlap}"
+        return f"Adasum of parameter deltas over {self.process_group_backend}{wire}{overlap}"
 
     # ------------------------------------------------------------------------------------------ step
     @override

@@ -175,9 +175,10 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     @override
     def _describe_reduction(self) -> str:
         groups, shard = self.mesh_shape
+        wire = f", sent as {self.compression}" if self.compression else ""
         return (
-            f"Adasum of parameter deltas across {groups} replica groups over {self.process_group_backend}, "
-            f"FSDP2 over {shard} ranks in each"
+            f"Adasum of parameter deltas across {groups} replica groups over {self.process_group_backend}"
+            f"{wire}, FSDP2 over {shard} ranks in each"
         )
 
     # ------------------------------------------------------------------------------------------ steps

@@ -1,6 +1,6 @@
 """adasum-lightning: Adasum (adaptive summation) as PyTorch Lightning 2.x strategies.
 
-``import adasum_lightning`` registers three strategy names with Lightning's ``StrategyRegistry`` (of
+``import adasum_lightning`` registers four strategy names with Lightning's ``StrategyRegistry`` (of
 ``pytorch_lightning`` and of ``lightning.pytorch``, each once that package is imported), and with Fabric's:
 
 - ``"horovod_adasum"``: :class:`HorovodAdasumStrategy`, Horovod's Adasum of parameter deltas under

@@ -47,6 +47,7 @@ SLOW_LINK_HEADLINE = [
     "ddp",
     "post_local_sgd_10",
     "adasum_bf16",
+    "adasum_bf16_overlap_backward",
     "adasum_s10",
     "adasum_s10_overlap_bf16",
     "ceiling",

@@ -58,6 +58,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "post_local_sgd_10": ("post_local_sgd", {"model_averaging_period": 10}),
     "adasum": ("ddp_adasum", {}),
     "adasum_bf16": ("ddp_adasum", {"compression": "bf16"}),
+    # buckets of about one layer: the first exchange starts early in backward
+    "adasum_bf16_overlap_backward": (
+        "ddp_adasum",
+        {"compression": "bf16", "overlap_backward": True, "bucket_cap_mb": 4},
+    ),
     **{
         f"adasum_s{h}{'_overlap' * o}{'_bf16' * c}": (
             "ddp_adasum",
@@ -93,7 +98,8 @@ VARIANTS.update(
 #: ``sync_every=10`` variant of that rig and rate (by median steps/s).
 RATIOS = (
     ("adasum_s10_overlap_bf16", "ceiling", 0.90),
-    ("adasum_bf16", "ddp", 1.8),
+    ("adasum_bf16_overlap_backward", "ddp", 1.8),
+    ("adasum_bf16", "ddp", None),
     ("best_s10", "post_local_sgd_10", 1.5),
     ("adasum_s10", "ceiling", None),
     ("adasum", "ddp", None),

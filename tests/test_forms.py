@@ -254,6 +254,16 @@ def test_a_fit_that_ends_mid_window_shows_the_synced_parameters_at_every_exit(kw
     assert not torch.equal(ranks[0]["end"]["0.weight"], ranks[0]["start"]["0.weight"])  # the sync moved them
 
 
+def assert_every_step_equals(ranks: list[dict], reference: list, end: torch.Tensor, key) -> None:
+    """Every rank's 16 traced steps equal its reference trace, its final parameters ``end`` (round-off)."""
+    for r, res in enumerate(ranks):
+        assert len(res["trace"]) == 16
+        for k, (got, want) in enumerate(zip(res["trace"], reference[r], strict=True)):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (key, r, k, (got - want).abs().max())
+        got_end = torch.cat([t.reshape(-1) for t in res["end"].values()])
+        assert torch.allclose(got_end, end, rtol=1e-5, atol=1e-6), (key, r, (got_end - end).abs().max())
+
+
 def batches_of_every_rank(world_size: int, epochs: int = 2) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each rank's batches in the plain loop: a DistributedSampler shard (seed 100) an epoch, batches of 4."""
     data = IndexedData(64)
@@ -340,12 +350,7 @@ def test_local_sgd_equals_the_algorithm_written_out_and_ranks_agree_only_at_sync
     ranks = cases[declared[0] if isinstance(declared, tuple) else declared].ranks
     rank_batches = batches_of_every_rank(2)
     reference, end = local_sgd_reference(ranks[0]["start"], rank_batches, 3, *key)
-    for r, res in enumerate(ranks):
-        assert len(res["trace"]) == 16
-        for k, (got, want) in enumerate(zip(res["trace"], reference[r], strict=True)):
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (key, r, k, (got - want).abs().max())
-        got_end = torch.cat([t.reshape(-1) for t in res["end"].values()])
-        assert torch.allclose(got_end, end, rtol=1e-5, atol=1e-6), (key, r, (got_end - end).abs().max())
+    assert_every_step_equals(ranks, reference, end, key)
     for k in range(16):
         same = torch.equal(ranks[0]["trace"][k], ranks[1]["trace"][k])
         assert same == ((k + 1) % 3 == 0), (key, k)  # different inside a window, identical at each sync
@@ -472,12 +477,7 @@ def test_overlap_sync_equals_the_algorithm_written_out_one_window_late(key, case
     reference, end = overlapped_local_sgd_reference(
         start, rank_batches, sync_every, combine, outer_lr, wire_dtype
     )
-    for r, res in enumerate(ranks):
-        assert len(res["trace"]) == 16
-        for k, (got, want) in enumerate(zip(res["trace"], reference[r], strict=True)):
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (key, r, k, (got - want).abs().max())
-        got_end = torch.cat([t.reshape(-1) for t in res["end"].values()])
-        assert torch.allclose(got_end, end, rtol=1e-5, atol=1e-6), (key, r, (got_end - end).abs().max())
+    assert_every_step_equals(ranks, reference, end, key)
     # One window late: never identical before the end, each rank going on from g + its own δ (applied in the
     # window it ends, as without overlap_sync, the update would make them identical after step H); and the
     # trace after step H above is not the same-window algorithm's:

@@ -134,7 +134,7 @@ class PeriodicSync:
             params = [self.params[i] for i in indices]
             synced = [self._synced[i] for i in indices]  # type: ignore[index]
             on_final = partial(_apply_deltas, params, synced, offsets, flat) if apply else None
-            self._combine(flat, [p.numel() for p in params], self.group, on_final)
+            self._combine(flat, _counts(offsets), self.group, on_final)
         if not apply:
             self._update(packed)
 

@@ -11,7 +11,7 @@ Each rank keeps its own inner optimizer state; the outer state is the same on ev
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
@@ -127,7 +127,7 @@ class PeriodicSync:
         if self.every_step or self.steps == 0:
             return
         self.steps = 0
-        packed = self._pack()
+        packed = self._pack(self._synced)
         # Without an outer optimizer each range of θ_sync is set as soon as the allreduce has its result.
         apply = self.outer_optimizer is None and all(p.is_contiguous() for p in self.params)
         for indices, offsets, flat in packed:
@@ -139,18 +139,20 @@ class PeriodicSync:
             self._update(packed)
 
     def _end_overlapped(self, flush: bool) -> None:
-        """``overlap_sync``'s end of a window (the class): s ← δ = θ − s, the exchange in flight applied
-        (θ = θ_sync); then δ's exchange starts in the worker thread and θ ← θ_sync + δ, s ← θ; or, for a
-        flush, it runs now and s ← θ = θ_sync, and the thread ends."""
+        """``overlap_sync``'s end of a window (the class): the exchange in flight applied, δ = θ − s; then δ's
+        exchange starts in the worker thread and θ ← θ_sync + δ, s ← θ; or, for a flush, it runs now and
+        s ← θ = θ_sync, and the thread ends."""
         assert self._start is not None and self._synced is not None
         steps, self.steps = self.steps, 0
         if steps == 0 and self._pending is None:
             return
-        if steps:
+        # Without an outer optimizer θ_sync ← θ_sync + C leaves θ alone: δ goes straight to the send buffers
+        direct = self.outer_optimizer is None and not flush
+        if steps and not direct:
             for p, s in zip(self.params, self._start, strict=True):
                 torch.sub(p.detach(), s, out=s)
-        self._wait()
-        packed = self._pack() if steps else []
+        self._wait(direct)
+        packed = self._pack(self._start if direct else None) if steps else []
         if flush:
             self._combine_packed(packed, self.group)
             if packed:
@@ -159,23 +161,31 @@ class PeriodicSync:
                 s.copy_(p.detach())
             self.close()
             return
+        for i, delta in _views(self.params, packed) if direct else ():
+            torch.add(self._synced[i], delta, out=self.params[i].data)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adasum-overlap-sync")
         self._pending = (self._worker.submit(self._combine_packed, packed, self.overlap_group), packed)
         for p, s in zip(self.params, self._start, strict=True):
-            p.detach().add_(s)
+            if not direct:
+                p.detach().add_(s)
             s.copy_(p.detach())
 
-    def _wait(self) -> None:
+    def _wait(self, direct: bool = False) -> None:
         """Finish the exchange in flight, if any, and apply it (θ_sync ← U(θ_sync, C)); the parameters are
-        θ_sync afterwards. Raises what the exchange raised."""
+        θ_sync afterwards, or keep their values with ``direct`` (θ_sync += C). Raises what the exchange
+        raised."""
         pending, self._pending = self._pending, None
-        if pending is None:
+        if pending is not None:
+            pending[0].result()
+        if direct:
+            for i, combined in _views(self.params, pending[1] if pending else []):
+                self._synced[i].add_(combined)  # type: ignore[index]
+        elif pending is None:
             for p, s in zip(self.params, self._synced, strict=True):  # type: ignore[arg-type]
                 p.detach().copy_(s)
-            return
-        pending[0].result()
-        self._update(pending[1])
+        else:
+            self._update(pending[1])
 
     def _combine_packed(self, packed: list[_Packed], group: dist.ProcessGroup | None) -> None:
         """Every flat buffer of ``packed`` combined over ``group`` (the worker thread: ``overlap_group``)."""
@@ -201,9 +211,10 @@ class PeriodicSync:
         if on_final is not None:
             on_final(0, flat.numel())
 
-    def _pack(self) -> list[_Packed]:
-        """The pseudo-gradients per dtype and device, packed back to back in one flat buffer: θ − θ_sync, or
-        with ``overlap_sync`` the window starts (which hold δ then) in the send buffers."""
+    def _pack(self, base: list[torch.Tensor] | None) -> list[_Packed]:
+        """The pseudo-gradients per dtype and device, packed back to back in one flat buffer: θ − ``base``
+        (θ_sync, or with ``overlap_sync`` the window starts s), or with ``base=None`` the window starts (which
+        hold δ then); with ``overlap_sync`` in the send buffers."""
         assert self._synced is not None
         buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, p in enumerate(self.params):
@@ -220,10 +231,10 @@ class PeriodicSync:
                 flat = self._send[dtype, device]
             for i, at in zip(indices, offsets, strict=False):
                 out = flat[at : at + self.params[i].numel()]
-                if self._start is None:
-                    torch.sub(self.params[i].detach().reshape(-1), self._synced[i].reshape(-1), out=out)
+                if base is None:
+                    out.copy_(self._start[i].reshape(-1))  # type: ignore[index]
                 else:
-                    out.copy_(self._start[i].reshape(-1))
+                    torch.sub(self.params[i].detach().reshape(-1), base[i].reshape(-1), out=out)
             packed.append((indices, offsets, flat))
         return packed
 
@@ -232,16 +243,14 @@ class PeriodicSync:
         pseudo-gradients C in ``packed``; the parameters are θ_sync afterwards."""
         assert self._synced is not None
         saved_grads = [p.grad for p in self.params]
-        for indices, offsets, flat in packed:
-            for i, at in zip(indices, offsets, strict=False):
-                p, s = self.params[i], self._synced[i]
-                delta = flat[at : at + p.numel()].view(p.shape)
-                if self.outer_optimizer is None:
-                    torch.add(s, delta, out=p.data)
-                    s.copy_(p.detach())
-                else:
-                    p.data.copy_(s)
-                    p.grad = delta.neg()
+        for i, delta in _views(self.params, packed):
+            p, s = self.params[i], self._synced[i]
+            if self.outer_optimizer is None:
+                torch.add(s, delta, out=p.data)
+                s.copy_(p.detach())
+            else:
+                p.data.copy_(s)
+                p.grad = delta.neg()
         if self.outer_optimizer is not None:
             with torch.enable_grad():
                 self.outer_optimizer.step()
@@ -286,6 +295,13 @@ class PeriodicSync:
 
 #: One dtype and device's pseudo-gradients: (parameter indices, offsets in the buffer, the flat buffer).
 _Packed = tuple[list[int], list[int], torch.Tensor]
+
+
+def _views(params: list[torch.Tensor], packed: list[_Packed]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(index, the parameter's slice of the flat buffer in its shape) for each parameter in ``packed``."""
+    for indices, offsets, flat in packed:
+        for i, at in zip(indices, offsets, strict=False):
+            yield i, flat[at : at + params[i].numel()].view(params[i].shape)
 
 
 def _counts(offsets: list[int]) -> list[int]:

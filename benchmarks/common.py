@@ -264,6 +264,7 @@ def lightning_launch(
     log: Path | None = None,
     retries: int = 2,
     prefix: Sequence[str] = (),
+    python: str = sys.executable,
 ) -> float:
     """Run ``python -m <args>`` as one plain process (after ``prefix``, e.g. ``ip netns exec NS``); the
     script's ``Trainer(devices=N)`` makes Lightning start the other N − 1 processes (its subprocess launcher:
@@ -273,7 +274,7 @@ def lightning_launch(
     Raises:
         RuntimeError: the last attempt failed (with the end of its output).
     """
-    return _run_job([*prefix, sys.executable, "-m", *args], timeout=timeout, log=log, retries=retries)
+    return _run_job([*prefix, python, "-m", *args], timeout=timeout, log=log, retries=retries)
 
 
 def torchrun(

@@ -969,7 +969,11 @@ def _slow_link_section(result: dict, png: Path) -> list[str]:
         "rank each, a bucket on each end of their link (one per direction: twice the shared bucket's "
         "throughput). `post_local_sgd_10`: Lightning's `DDPStrategy(model_averaging_period=10)` with "
         "`post_localSGD_hook` registered by hand (`PostLocalSGDState`, one rank per subgroup, "
-        "`start_localSGD_iter=1`; Lightning registers DDP hooks on CUDA only); `ceiling`: "
+        "`start_localSGD_iter=1`; Lightning registers DDP hooks on CUDA only); `torchft_diloco_H`: "
+        "torchft's `DiLoCo` (one fragment, `sync_every=H`, outer Nesterov SGD lr 0.1 momentum 0.9) with real "
+        "`Manager`s (a replica group of one process per rank, torchft's lighthouse, `ProcessGroupGloo`): "
+        "a plain torch loop in torchft's own environment (`benchmarks/slow_link_torchft.py`; torchft has "
+        "no Lightning strategy), a second job of the round in the same rig; `ceiling`: "
         "`sync_every=1000`, no exchange in the timed steps. A round is one job (its own namespaces) "
         "fitting every variant once in the same processes, the order rotated each round; steps/s of "
         "rank 0 over the timed steps (warm-up and timed steps by the variant's period: "
@@ -1015,6 +1019,8 @@ def _slow_link_section(result: dict, png: Path) -> list[str]:
             ),
             "",
         ]
+        md += [f"Not run here: `{v}`: {why}." for v, why in block.get("skipped", {}).items()]
+        md += [""] if block.get("skipped") else []
     _slow_link_plot(result["blocks"], png)
     md += [f"![steps/s on a slow link]({png.name})", ""]
     target = result.get("target")

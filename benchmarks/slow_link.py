@@ -12,8 +12,12 @@ left in them is killed and they are deleted on the way out, also on errors):
 
 The variants (:data:`VARIANTS`) are strategy keyword arguments. ``post_local_sgd_10`` is
 Lightning's post-local SGD with its DDP communication hook registered by hand (:class:`PostLocalSGDStrategy`:
-Lightning registers hooks on CUDA only). Model: the MLP 784 → 4 × 2048 → 10 of ``benchmarks/loops.py``
-(14.2 M parameters, 57 MB float32), SGD momentum 0.9, batch 64 per rank, MNIST, one thread per process.
+Lightning registers hooks on CUDA only). ``torchft_diloco_H`` is torchft's ``DiLoCo`` with real Managers and
+lighthouse (``benchmarks/slow_link_torchft.py``: a raw torch loop in torchft's scratch environment, run as
+a second job of the round in the same rig; torchft has no Lightning strategy); where that environment is
+absent (:func:`torchft_python`) it is reported as skipped. Model: the MLP 784 → 4 × 2048 → 10 of
+``benchmarks/loops.py`` (14.2 M parameters, 57 MB float32), SGD momentum 0.9, batch 64 per rank, MNIST, one
+thread per process.
 
 Worker usage (one job, a fit per variant in the processes Lightning starts once; rank 0 writes
 ``OUT/<variant>.json``; the part itself: ``python -m benchmarks --only slow_link``):
@@ -35,6 +39,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,13 +54,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 from typing_extensions import override
 
-from benchmarks.common import command_line, lightning_launch, logs_for, tensor_split
+from benchmarks.common import lightning_launch, logs_for, tensor_split
 from benchmarks.loops import BATCH, MOMENTUM, ReductionTimer, StepClock, make_model, synthetic_data
 
-#: name → (strategy: ``ddp``, ``post_local_sgd`` or ``ddp_adasum``, its keyword arguments).
+#: name → (strategy: ``ddp``, ``post_local_sgd``, ``torchft_diloco`` or ``ddp_adasum``, its keyword
+#: arguments).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "ddp": ("ddp", {}),
     "post_local_sgd_10": ("post_local_sgd", {"model_averaging_period": 10}),
+    **{f"torchft_diloco_{h}": ("torchft_diloco", {"sync_every": h}) for h in (10, 50)},
     "adasum": ("ddp_adasum", {}),
     "adasum_bf16": ("ddp_adasum", {"compression": "bf16"}),
     # buckets of about one layer: the first exchange starts early in backward
@@ -114,6 +121,31 @@ def period(variant: str) -> int:
     """Steps between exchanges (1: every step)."""
     kwargs = VARIANTS[variant][1]
     return kwargs.get("sync_every") or kwargs.get("model_averaging_period") or 1
+
+
+def torchft_python() -> str:
+    """The python of torchft's scratch environment: ``ADASUM_TORCHFT_PYTHON``, else
+    ``/tmp/tft/bin/python``."""
+    return os.environ.get("ADASUM_TORCHFT_PYTHON", "/tmp/tft/bin/python")
+
+
+@functools.cache
+def _torchft_missing(python: str) -> str | None:
+    if not Path(python).exists():
+        return f"no torchft environment at {python} (ADASUM_TORCHFT_PYTHON; docs/local_sgd.md sets one up)"
+    proc = subprocess.run([python, "-c", "import torchft"], capture_output=True, text=True, timeout=120)
+    return f"{python} cannot import torchft" if proc.returncode else None
+
+
+def skip_reason(variant: str, rig: str) -> str | None:
+    """Why ``variant`` cannot run on ``rig`` here; ``None`` where it can."""
+    if VARIANTS[variant][0] == "torchft_diloco":
+        return (
+            "torchft's DiLoCo runs on the loopback rig only"
+            if rig != "loopback"
+            else _torchft_missing(torchft_python())
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- the worker
@@ -368,19 +400,23 @@ def limited_loopback(rate: str) -> Iterator[str]:
             _kill_and_delete(netns)
 
 
-def run_loopback(rate: str, args: list[str], log: Path, timeout: float) -> tuple[float, str]:
-    """One job on the ``loopback`` rig: (wall seconds, its command)."""
+def run_loopback(rate: str, args: list[str], log: Path, timeout: float, python: str = sys.executable
+                 ) -> tuple[float, str]:  # fmt: skip
+    """One job (``python -m ARGS``) on the ``loopback`` rig: (wall seconds, its command)."""
+    args = [*args, "--devices", "2"]
     with limited_loopback(rate) as netns:
         prefix = ["ip", "netns", "exec", netns]
-        wall = lightning_launch(args + ["--devices", "2"], log=log, timeout=timeout, retries=0, prefix=prefix)
-    return wall, f"ip netns exec NS {command_line(2, args + ['--devices', '2'], 'lightning')}"
+        wall = lightning_launch(args, log=log, timeout=timeout, retries=0, prefix=prefix, python=python)
+    return wall, f"ip netns exec NS {'python' if python == sys.executable else python} -m {' '.join(args)}"
 
 
-def run_two_hosts(rate: str, args: list[str], log: Path, timeout: float) -> tuple[float, str]:
-    """One job on the ``two_hosts`` rig, one rank per host: (wall seconds, its command)."""
+def run_two_hosts(rate: str, args: list[str], log: Path, timeout: float, python: str = sys.executable
+                  ) -> tuple[float, str]:  # fmt: skip
+    """One job (``python -m ARGS``) on the ``two_hosts`` rig, one rank per host: (wall seconds, its
+    command)."""
     from tests.twohosts import ADDRESSES, IFACE, two_hosts
 
-    argv = [sys.executable, "-m", *args, "--devices", "1", "--num-nodes", "2"]
+    argv = [python, "-m", *args, "--devices", "1", "--num-nodes", "2"]
     with two_hosts() as hosts:
         for netns in hosts.netns.values():
             limit(netns, IFACE, rate)
@@ -418,24 +454,37 @@ def _spread(values: list[float]) -> dict:
 
 
 def throughput(block: dict, cfg: dict, out_dir: Path, data: str) -> dict:
-    """One rig and rate: a job per round (its own namespaces) fitting every variant once, one after the
-    other in the same processes, the order rotated each round."""
+    """One rig and rate: per round a job (its own namespaces) fitting every Lightning variant once, one
+    after the other in the same processes, and one for torchft's variants (``slow_link_torchft``, by
+    torchft's python); the order of the jobs and within each rotated each round."""
     variants = list(THROUGHPUT) if block["variants"] == "all" else list(block["variants"])
-    ran = variants
+    skipped = {v: why for v in variants if (why := skip_reason(v, block["rig"]))}
+    ran = [v for v in variants if v not in skipped]
+    torchft = [v for v in ran if VARIANTS[v][0] == "torchft_diloco"]
+    # (module suffix, python, extra arguments, variants) per job.
+    jobs = [
+        job
+        for job in (
+            ("", sys.executable, [], [v for v in ran if v not in torchft]),
+            ("_torchft", torchft_python(), ["--site", sysconfig.get_paths()["purelib"]], torchft),
+        )
+        if job[3]
+    ]
     steps = {**cfg["steps"], **block.get("steps", {})}
     tag = f"{block['rig']}_{block['rate']}"
     runs = []
     for i in tqdm(range(block["rounds"]), desc=f"slow_link {tag}", unit="round"):
-        order = ran[i % len(ran) :] + ran[: i % len(ran)]
-        items = [f"{v}:{steps[str(period(v))][0]}:{sum(steps[str(period(v))])}" for v in order]
-        out = out_dir / "runs" / f"slow_link_{tag}_r{i}"
-        args = ["benchmarks.slow_link", str(out), "--variants", ",".join(items), "--data", data]
-        load = os.getloadavg()
-        log = logs_for(out_dir) / f"slow_link_{tag}_r{i}.log"
-        wall, command = RIGS[block["rig"]](block["rate"], args, log, cfg["timeout_s"])
-        record = {"round": i, "job_wall_s": wall, "loadavg_before": load, "command": command}
-        runs += [{**json.loads((out / f"{v}.json").read_text()), **record} for v in order]
-    return {**block, "runs": runs, "summary": summarise(runs, ran)}
+        for suffix, python, extra, group in jobs[i % len(jobs) :] + jobs[: i % len(jobs)]:
+            order = group[i % len(group) :] + group[: i % len(group)]
+            items = [f"{v}:{steps[str(period(v))][0]}:{sum(steps[str(period(v))])}" for v in order]
+            out = out_dir / "runs" / f"slow_link_{tag}_r{i}{suffix}"
+            args = [f"benchmarks.slow_link{suffix}", str(out), "--variants", ",".join(items), "--data", data]
+            load = os.getloadavg()
+            log = logs_for(out_dir) / f"slow_link_{tag}_r{i}{suffix}.log"
+            wall, command = RIGS[block["rig"]](block["rate"], args + extra, log, cfg["timeout_s"], python)
+            record = {"round": i, "job_wall_s": wall, "loadavg_before": load, "command": command}
+            runs += [{**json.loads((out / f"{v}.json").read_text()), **record} for v in order]
+    return {**block, "skipped": skipped, "runs": runs, "summary": summarise(runs, ran)}
 
 
 def summarise(runs: list[dict], variants: list[str]) -> dict:

@@ -201,7 +201,11 @@ class CaseLaunches:
             for r in range(other.launch.np)
         ]
         ended = all(s["status"] in ("ok", "error") for s in statuses)
-        problem = f"every case ended, but {output.splitlines()[0]}" if ended and returncode != 0 else ""
+        problem = (
+            f"every case ended, but {output.splitlines()[0]}\n--- the launch's last output\n{output[-4000:]}"
+            if ended and returncode != 0
+            else ""
+        )
         return CaseResult(
             c, self.base / c.name, output, [self._status(c, r) for r in range(c.launch.np)], problem
         )

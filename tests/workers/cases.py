@@ -155,6 +155,17 @@ def main() -> None:
     filters = list(warnings.filters)
     for case in spec["cases"]:
         run_case(case, filters)
+    _end_launch()
+
+
+def _end_launch() -> None:
+    """Leave the launch together: a barrier on the default group, then its destruction, so that no rank closes
+    its connections while a peer still uses them (a crash at exit would fail every case of the launch)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

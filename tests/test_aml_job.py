@@ -193,7 +193,10 @@ def test_only_horovod_adasum_needs_powers_of_two(strategy):
     job = AmlJob(strategy=strategy, node_count=6, process_count_per_node=3)
     assert job.world_size == 18
     check_local_count(job, 3)  # --local 3 too
-    with pytest.raises(AmlUsageError, match=r"--local 3: the process count must be a power of 2"):
+    with pytest.raises(
+        AmlUsageError,
+        match=r"--local=3 is not a power of 2.*Use --local 2 or --local 4, or --strategy ddp_adasum",
+    ):
         check_local_count(AmlJob(), 3)
 
 
@@ -421,7 +424,7 @@ def no_sdk_calls(monkeypatch):
         (["--config", "bad.json", "--dry-run"], "is not valid JSON"),
         (["--config", "nokeys.json", "--dry-run"], "lacks 'resource_group', 'workspace_name'"),
         ([], "no workspace config file"),
-        (["--local", "3"], "--local 3: the process count must be a power of 2"),
+        (["--local", "3"], "--local=3 is not a power of 2"),
         (["--env", "MY_TOKEN=abc", "--dry-run"], "looks like a secret"),
         (["--config", ".", "--dry-run"], "is a directory, not a JSON file. Pass the file itself: --config"),
         (
@@ -437,7 +440,7 @@ def no_sdk_calls(monkeypatch):
         (["--dry-run", "--trainer.strategy=ddp_adasum"], "not with --trainer.strategy"),
         (
             ["--strategy", "ddp_adasum", "--local", "0"],
-            "--local 0: the process count must be a positive integer",
+            "--local must be a positive integer, got 0: fix --local",
         ),
         (
             ["--nodes", "6", "--strategy", "horovod_adasum", "--dry-run"],

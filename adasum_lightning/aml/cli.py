@@ -94,6 +94,7 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``adasum-aml``'s parser: the ``submit`` command and its argument groups."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="Submit a Lightning project to Azure ML with Adasum."
     )
@@ -106,6 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster. Arguments after '--' (and unknown --trainer.*/--model.*/--data.* options) are passed to "
         "the script; they may name data as ${{inputs.NAME}} / ${{outputs.NAME}}.",
     )
+    _add_project_arguments(p.add_argument_group("your project"))
+    _add_data_arguments(
+        p.add_argument_group("data (the script's arguments name it ${{inputs.NAME}} / ${{outputs.NAME}})")
+    )
+    _add_cluster_arguments(p.add_argument_group("the cluster and the job"))
+    _add_mode_arguments(p.add_argument_group("what submit does: submit (default), --dry-run or --local N"))
+    return parser
+
+
+def _add_project_arguments(p: argparse._ArgumentGroup) -> None:
+    """SCRIPT, its source folder, its requirements or environment and how it is given the strategy."""
     p.add_argument(
         "script",
         nargs="?",
@@ -138,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         "NAME@latest) instead of building one; it must have adasum-lightning (and Horovod for the Horovod "
         "strategies)",
     )
+
+
+def _add_data_arguments(p: argparse._ArgumentGroup) -> None:
+    """``--input``/``--output`` and their modes and types."""
     p.add_argument(
         "--input",
         action="append",
@@ -175,11 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=MODE",
         help="rw_mount (default) or upload",
     )
-    p.add_argument(
-        "--stream",
-        action="store_true",
-        help="after submitting, follow the job's logs until it ends; exit 0 when it completed, else 3",
-    )
+
+
+def _add_cluster_arguments(p: argparse._ArgumentGroup) -> None:
+    """The strategy, the workspace, the SDK, the cluster and the job's image and environment."""
     p.add_argument(
         "--strategy",
         default=DEFAULT_STRATEGY,
@@ -235,6 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the code snapshot and build context "
         "(default: a new temporary folder; kept for --dry-run and --local; must be new or empty)",
     )
+
+
+def _add_mode_arguments(p: argparse._ArgumentGroup) -> None:
+    """What ``submit`` does: submit (and ``--stream``), ``--dry-run`` or ``--local N``."""
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="after submitting, follow the job's logs until it ends; exit 0 when it completed, else 3",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--dry-run",
@@ -260,7 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="MNIST root of the bundled example for --local (DIR/MNIST/raw; default ./data); a script of "
         "your own takes its data from --input",
     )
-    return parser
 
 
 def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -245,6 +245,23 @@ def _size_with_gpus(gpus: int) -> str:
     return next((s.name for s in VM_SIZES.values() if s.retired is None and s.gpus >= gpus), "?")
 
 
+def check_process_count(value: object, name: str, flag: str, strategy: str) -> None:
+    """A node or process count: a positive integer, and a power of 2 for ``horovod_adasum`` (Horovod's Adasum
+    combines 2^k workers).
+
+    Raises:
+        AmlUsageError: naming ``flag`` and the nearest valid counts.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AmlUsageError(f"{name} must be a positive integer, got {value!r}: fix {flag}")
+    if strategy == "horovod_adasum" and not is_power_of_two(value):
+        counts = " or ".join(f"{flag} {n}" for n in nearest_powers_of_two(value))
+        raise AmlUsageError(
+            f"{name}={value} is not a power of 2; Horovod's Adasum combines 2^k workers. "
+            f"Use {counts}, or --strategy ddp_adasum (any count)"
+        )
+
+
 @dataclass(frozen=True)
 class AmlJob:
     """One Azure ML job (a process per GPU) training a Lightning script with an Adasum or Horovod strategy.
@@ -292,22 +309,24 @@ class AmlJob:
     environment: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_topology()
+        self._check_cluster()
+        self._resolve_image()
+        self._check_arguments()
+        self._resolve_environment_variables()
+
+    def _check_topology(self) -> None:
+        """The strategy, the node and process counts and the VM size that has the GPUs for them."""
         if self.strategy not in STRATEGIES:
             raise AmlUsageError(
                 f"unknown strategy {self.strategy!r}: use --strategy horovod_adasum (Horovod's Adasum, an "
                 "MPI job), --strategy horovod (Horovod averaging, an MPI job) or --strategy ddp_adasum "
                 "(Adasum on torch.distributed, a PyTorch job)"
             )
-        for name, flag in (("node_count", "--nodes"), ("process_count_per_node", "--gpus-per-node")):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise AmlUsageError(f"{name} must be a positive integer, got {value!r}: fix {flag}")
-            if self.strategy == "horovod_adasum" and not is_power_of_two(value):
-                lower, upper = nearest_powers_of_two(value)
-                raise AmlUsageError(
-                    f"{name}={value} is not a power of 2; Horovod's Adasum combines 2^k workers. "
-                    f"Use {flag} {lower} or {flag} {upper}, or --strategy ddp_adasum (any count)"
-                )
+        check_process_count(self.node_count, "node_count", "--nodes", self.strategy)
+        check_process_count(
+            self.process_count_per_node, "process_count_per_node", "--gpus-per-node", self.strategy
+        )
         size = lookup_vm_size(self.vm_size)
         object.__setattr__(self, "vm_size", size.name)
         if self.process_count_per_node > size.gpus:
@@ -317,6 +336,9 @@ class AmlJob:
                 f"VM size with {self.process_count_per_node} GPUs or more "
                 f"(--vm-size {_size_with_gpus(self.process_count_per_node)})"
             )
+
+    def _check_cluster(self) -> None:
+        """The cluster's scaling bounds (``max_nodes`` resolved), its name and the experiment's name."""
         max_nodes = self.node_count if self.max_nodes is None else self.max_nodes
         if isinstance(self.min_nodes, bool) or not isinstance(self.min_nodes, int) or self.min_nodes < 0:
             raise AmlUsageError(f"min_nodes must be an integer ≥ 0, got {self.min_nodes!r}: fix --min-nodes")
@@ -338,6 +360,9 @@ class AmlJob:
                 f"experiment name {self.experiment_name!r} is invalid: use 1–255 letters, digits, '_' or '-' "
                 "starting with a letter or digit. Fix --experiment"
             )
+
+    def _resolve_image(self) -> None:
+        """The base image (default by job kind), or a registered environment without ``requirements``."""
         base_image = self.base_image
         if self.environment is not None and base_image is not None:
             raise AmlUsageError(
@@ -357,6 +382,9 @@ class AmlJob:
                     "drop --environment"
                 )
             object.__setattr__(self, "environment", environment_reference(self.environment))
+
+    def _check_arguments(self) -> None:
+        """The script's arguments against the strategy and topology, and the data they name."""
         args = tuple(self.training_args)
         if not all(isinstance(a, str) for a in args):
             raise AmlUsageError(f"training arguments must be strings, got {args!r}")
@@ -368,6 +396,10 @@ class AmlJob:
         object.__setattr__(self, "requirements", tuple(self.requirements))
         check_placeholders(args, self.data)
         object.__setattr__(self, "training_args", args)
+
+    def _resolve_environment_variables(self) -> None:
+        """The job's variables: the defaults, the topology's, Open MPI's fault settings for MPI jobs, then
+        the user's (refused when they look like secrets or set what adasum-aml sets)."""
         env = dict(DEFAULT_ENVIRONMENT_VARIABLES)
         env.update(self.topology_variables())
         if self.is_mpi:

@@ -20,11 +20,10 @@ from pathlib import Path
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
 from adasum_lightning.aml.errors import AmlUsageError
-from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob
+from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob, check_process_count
 from adasum_lightning.aml.project import bind_placeholders
 from adasum_lightning.aml.staging import stage_code
 from adasum_lightning.horovod_support import missing_horovod_message
-from adasum_lightning.ops import is_power_of_two
 
 #: Variables of other launchers, removed from a ``ddp_adasum`` local run so that Lightning sees only what an
 #: Azure ML PyTorch job sets (``TORCHELASTIC_RUN_ID`` would select ``TorchElasticEnvironment``, and so on).
@@ -58,13 +57,7 @@ def check_local_count(job: AmlJob, np: int) -> None:
     Raises:
         AmlUsageError: naming the fix.
     """
-    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
-        raise AmlUsageError(f"--local {np!r}: the process count must be a positive integer")
-    if job.strategy == "horovod_adasum" and not is_power_of_two(np):
-        raise AmlUsageError(
-            f"--local {np!r}: the process count must be a power of 2 (1, 2, 4, …) for Adasum with Horovod; "
-            "--strategy ddp_adasum takes any count"
-        )
+    check_process_count(np, "--local", "--local", job.strategy)
 
 
 def local_command(

@@ -44,7 +44,6 @@ from adasum_lightning.allreduce import (
     _check_tensor,
     _coefficients,
     _Comm,
-    _flat_pieces,
     _local_grams,
     _plan,
     _scaled_add,
@@ -54,7 +53,6 @@ from adasum_lightning.step import broadcast_from_rank_zero, world_size
 
 __all__ = [
     "replica_groups",
-    "adasum_allreduce_sharded",
     "sharded_adasum_step",
     "broadcast_from_replica_zero",
     "broadcast_module_from_rank_zero",
@@ -430,60 +428,6 @@ def broadcast_module_from_rank_zero(module: Module, replicate_group: dist.Proces
     broadcast_from_rank_zero([t for t in tensors if not isinstance(t, DTensor)])
 
 
-def adasum_allreduce_sharded(
-    tensors: Sequence[torch.Tensor],
-    replicate_group: dist.ProcessGroup,
-    shard_group: dist.ProcessGroup,
-    timeout: timedelta | None = None,
-) -> list[torch.Tensor]:
-    """Adasum over the replica groups of whole tensors sharded over each group, in place.
-
-    ``tensors`` are this rank's local shards (any shapes, possibly empty); the ranks of one shard group pass
-    the shards of the same whole tensors in the same order, and the rank at the same shard position in every
-    replica group passes shards of the same shapes. Afterwards each shard holds its part of
-    ``adasum(whole tensor over the replica groups)`` (module docstring), the same bits in every replica group:
-    ``adasum(a, b) = (1 − a·b/(2‖a‖²))·a + (1 − a·b/(2‖b‖²))·b`` per whole tensor, the dot product and squared
-    norms of the local shards in float64 summed over ``shard_group`` (a coefficient is 1 when the squared
-    norm is below :data:`~adasum_lightning.ops.ADASUM_NORM_EPS`), the combination in float64, rounded once
-    to the dtype (as :func:`adasum_lightning.ops.adasum`).
-
-    Per level: one point-to-point exchange of the whole local shards (one flat buffer per dtype and device)
-    with the partner on ``replicate_group`` (global ranks through ``dist.get_global_rank``), and one
-    ``all_reduce`` of ``3 × len(tensors)`` float64 statistics on ``shard_group``. With a shard group of one
-    rank the arithmetic is :func:`adasum_lightning.allreduce.adasum_allreduce`'s small-bucket path, bitwise.
-
-    Args:
-        tensors: the local shards, dtypes float16, bfloat16, float32 or float64.
-        replicate_group: this rank's replicate group (:func:`replica_groups`).
-        shard_group: this rank's shard group.
-        timeout: how long one point-to-point exchange waits for its peer on Gloo (see
-            :func:`adasum_lightning.adasum_allreduce`).
-
-    Returns:
-        ``tensors`` as a list, reduced in place. One replica group (or an empty list): a no-op.
-
-    Raises:
-        TypeError: an element is not a tensor of a supported dtype.
-        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
-    """
-    out = tensors if isinstance(tensors, list) else list(tensors)
-    for i, t in enumerate(out):
-        _check_tensor(t, i)
-    if not out or world_size(replicate_group) == 1 or dist.get_rank(replicate_group) < 0:
-        return out
-    with torch.no_grad():
-        for bucket in _buckets(out).values():
-            total = sum(t.numel() for t in bucket)
-            flat = workspace(total, bucket[0].dtype, bucket[0].device, slot="sharded-flat")
-            torch.cat([t.reshape(-1) for t in bucket], out=flat)
-            _reduce_sharded(flat, [t.numel() for t in bucket], replicate_group, shard_group, timeout)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
-    return out
-
-
 def sharded_adasum_step(
     params: Sequence[torch.Tensor],
     local_step: Callable[[], T],
@@ -494,7 +438,8 @@ def sharded_adasum_step(
 ) -> T:
     """Run ``local_step`` (this replica group's sharded optimizer step), then replace its update of ``params``
     by the Adasum of every replica group's update: ``θ := θ_before + Adasum(θ_after − θ_before)`` per whole
-    parameter (:func:`adasum_allreduce_sharded`'s arithmetic, bitwise).
+    parameter: the statistics ``[a·b, ‖a‖², ‖b‖²]`` of the local shards in float64 summed over
+    ``shard_group``, Horovod's coefficients (``adasum.h``), the combination in float64 rounded once.
 
     ``params`` are FSDP2's sharded parameters (``DTensor`` with ``Shard`` placements on ``mesh["shard"]``).
     Each rank copies its local shards (``to_local()``, a view of the parameter's storage) into one flat buffer
@@ -576,61 +521,6 @@ def _buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.d
     return buckets
 
 
-def _reduce_sharded(
-    flat: torch.Tensor,
-    counts: list[int],
-    replicate_group: dist.ProcessGroup,
-    shard_group: dist.ProcessGroup,
-    timeout: timedelta | None,
-    recv: torch.Tensor | None = None,
-) -> None:
-    """Adasum over the replica groups of one flat buffer of local shards (``counts`` elements each); ``recv``:
-    a buffer of ``flat``'s size for the partner's shards (default: a kept workspace)."""
-    size = dist.get_world_size(replicate_group)
-    comm = _Comm(replicate_group, dist.get_rank(replicate_group), size, timeout)
-    q, size = comm.rank, comm.size
-    p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
-    if q >= p:  # folded into q - p; the result comes back at the end
-        comm.exchange(q - p, flat, None)
-        comm.exchange(q - p, None, flat)
-        return
-    if recv is None:
-        recv = workspace(flat.numel(), flat.dtype, flat.device, slot="sharded-recv")
-    plan = _plan(counts, CPU_CHUNK if flat.device.type == "cpu" else DEVICE_CHUNK)
-    if q + p < size:
-        comm.exchange(q + p, None, recv)
-        _combine(flat, recv, True, plan, len(counts), shard_group)
-    d = 1
-    while d < p:
-        comm.exchange(q ^ d, flat, recv)
-        _combine(flat, recv, q < q ^ d, plan, len(counts), shard_group)
-        d <<= 1
-    if q + p < size:
-        comm.exchange(q + p, flat, None)
-
-
-def _combine(
-    own: torch.Tensor,
-    theirs: torch.Tensor,
-    own_is_low: bool,
-    plan: list,
-    num: int,
-    shard_group: dist.ProcessGroup,
-) -> None:
-    """``own := adasum(low, up)`` per whole tensor, ``low`` the lower replica index's shards: the statistics
-    ``[low·up, ‖low‖², ‖up‖²]`` of the local shards summed over ``shard_group``, Horovod's coefficients
-    (``adasum.h``), the combination in float64 — the same operations in the same order on both partners."""
-    low, up = (own, theirs) if own_is_low else (theirs, own)
-    pieces = _flat_pieces(plan)
-    grams = _local_grams([low], [up], plan, pieces, num)  # per tensor [low·low, low·up, up·low, up·up]
-    stats = grams[:, [1, 0, 3]].contiguous()
-    if world_size(shard_group) > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard_group)
-    _scaled_add([low], [up], [low], plan, pieces, _coefficients(stats, left=True))  # c_low·low + c_up·up
-    if not own_is_low:
-        own.copy_(theirs)
-
-
 def _gradient_buffers(
     params: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]
 ) -> list[torch.Tensor | None]:
@@ -698,8 +588,13 @@ def _step_bucket(
         _reduce_lists(own, recv, counts, before.device, replicate_group, shard_group, timeout)
     else:
         wire = workspace(sum(counts), wire_dtype, before.device, slot="wire")
-        _reduce_sharded(torch.cat(own, out=wire), counts, replicate_group, shard_group, timeout)
-        for o, w in zip(own, wire.split(counts), strict=True):
+        wire_recv = workspace(sum(counts), wire_dtype, before.device, slot="wire-recv")
+        torch.cat(own, out=wire)
+        wired = list(wire.split(counts))
+        _reduce_lists(
+            wired, list(wire_recv.split(counts)), counts, before.device, replicate_group, shard_group, timeout
+        )
+        for o, w in zip(own, wired, strict=True):
             o.copy_(w)
     offset = 0
     for t, o, n in zip(shards, own, counts, strict=True):
@@ -738,8 +633,8 @@ def _reduce_lists(
     shard_group: dist.ProcessGroup,
     timeout: timedelta | None,
 ) -> None:
-    """:func:`_reduce_sharded` on per-tensor 1-D buffers: ``own`` (the local shards' deltas, reduced in
-    place) and ``recv`` (of the same sizes, for the partner's), the same pairs, levels and arithmetic."""
+    """Adasum over the replica groups of per-tensor 1-D buffers (module docstring's pairing): ``own`` (the
+    local shards' deltas, reduced in place) and ``recv`` (of the same sizes, for the partner's)."""
     size = dist.get_world_size(replicate_group)
     comm = _Comm(replicate_group, dist.get_rank(replicate_group), size, timeout)
     q, size = comm.rank, comm.size
@@ -786,8 +681,9 @@ def _combine_lists(
     pieces: Pieces,
     shard_group: dist.ProcessGroup,
 ) -> None:
-    """:func:`_combine` on per-tensor buffers: ``own := adasum(low, up)`` per whole tensor, bitwise the same
-    (each chunk's float64 work rows hold the same values as the flat buffer's chunk would)."""
+    """``own := adasum(low, up)`` per whole tensor, ``low`` the lower replica index's shards: the statistics
+    ``[low·up, ‖low‖², ‖up‖²]`` of the local shards summed over ``shard_group``, Horovod's coefficients
+    (``adasum.h``), the combination in float64: the same operations in the same order on both partners."""
     low, up = (own, theirs) if own_is_low else (theirs, own)
     grams = _local_grams(low, up, plan, pieces, len(own))
     stats = grams[:, [1, 0, 3]].contiguous()

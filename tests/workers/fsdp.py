@@ -14,9 +14,10 @@ usage: torchrun --nproc-per-node N -m tests.workers.fsdp OUT {train,allreduce,re
   parameters, and whether the sharded gradients
   were released (None) after each step (they receive the partner's deltas). With S = 1 the
   same training also runs unsharded with ``AdasumOptimizer`` (no mesh), saved as ``plain_end``.
-- ``allreduce``: ``adasum_allreduce_sharded`` of a float32 (5, 3), a float32 (1, 3) (an empty shard beyond
-  the first rank) and a float64 (7,) tensor, whole tensors drawn per replica group (seed 10 + group) and cut
-  into FSDP2's dim-0 chunks; saves the whole inputs and this rank's reduced shards.
+- ``allreduce``: ``sharded_adasum_step`` of a float32 (5, 3), a float32 (1, 3) (an empty shard beyond the
+  first rank) and a float64 (7,) parameter, sharded in FSDP2's dim-0 chunks and at zero before a local step
+  that writes whole tensors drawn per replica group (seed 10 + group): the step leaves their Adasum; saves the
+  whole tensors and this rank's shards after the step.
 - ``refusals``: the messages of the refused configurations (a 1-D mesh, misnamed dimensions, local SGD with a
   mesh, a model not sharded, ``process_group`` with ``mesh``).
 """
@@ -30,10 +31,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from adasum_lightning import AdasumOptimizer
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.sharded import _step_buffer_bytes, adasum_allreduce_sharded, replica_groups
+from adasum_lightning.sharded import _step_buffer_bytes, replica_groups, sharded_adasum_step
 from adasum_lightning.validation import AdasumConfigurationError
 from tests.workers import cases
 from tests.workers.samples import IndexedData, tiny_net
@@ -165,8 +167,17 @@ def run_allreduce() -> dict:
         torch.randn(7, generator=gen, dtype=torch.float64),
     ]
     shards = [chunk(t, j) for t in whole]
-    adasum_allreduce_sharded(shards, rep, shard)
-    return {"whole": whole, "shards": shards, "group": group, "position": j}
+    params = [
+        DTensor.from_local(torch.zeros_like(s), mesh["shard"], [Shard(0)], shape=t.shape, stride=t.stride())
+        for s, t in zip(shards, whole, strict=True)
+    ]
+
+    def local_step() -> None:  # θ_after − θ_before = this group's shards
+        for p, s in zip(params, shards, strict=True):
+            p.to_local().copy_(s)
+
+    sharded_adasum_step(params, local_step, rep, shard)
+    return {"whole": whole, "shards": [p.to_local().clone() for p in params], "group": group, "position": j}
 
 
 def refused(build) -> str:

@@ -22,6 +22,7 @@ from adasum_lightning.aml.job import (
     timedelta_arg,
 )
 from adasum_lightning.aml.local import check_local_count
+from adasum_lightning.aml.project import parse_bindings
 from adasum_lightning.aml.workspace import check_network, find_config_file, load_workspace_config, redact
 from tests.aml_support import no_network  # noqa: F401  (fixture)
 from tests.helpers import ROOT
@@ -446,6 +447,11 @@ def no_sdk_calls(monkeypatch):
             ["--nodes", "6", "--strategy", "horovod_adasum", "--dry-run"],
             "or --strategy ddp_adasum (any count)",
         ),
+        (
+            ["--strategy", "ddp_adasum", "--local", "2", "--resume"],
+            "--local with --resume keeps the checkpoints in a folder of yours, kept between runs: pass "
+            "--output checkpoints=DIR",
+        ),
     ],
 )
 def test_bad_input_exits_2_naming_the_fix(argv, message, tmp_path, monkeypatch, capsys, no_sdk_calls):
@@ -519,3 +525,41 @@ def test_console_script_and_module_entry_point():
         )
         assert proc.returncode == 2, proc.stderr
         assert "node_count=12 is not a power of 2" in proc.stderr and "--nodes 8 or --nodes 16" in proc.stderr
+
+
+def test_low_priority_resumes_from_a_checkpoint_output_of_its_own():
+    job = AmlJob(low_priority=True, strategy="ddp_adasum")
+    assert job.resume
+    ((name, uri, direction, mode),) = [(b.name, b.uri, b.direction, b.mode) for b in job.data]
+    assert (name, direction, mode) == ("checkpoints", "outputs", "rw_mount")
+    assert re.fullmatch(
+        r"azureml://datastores/workspaceblobstore/paths/adasum-checkpoints/adasum-lightning-mnist/[0-9-]+",
+        uri,
+    )
+    assert job.training_command()[-4:] == [
+        "--trainer.callbacks+=ModelCheckpoint",
+        "--trainer.callbacks.dirpath=${{outputs.checkpoints}}",
+        "--trainer.callbacks.save_last=true",
+        "--ckpt_path=last",
+    ]
+    given = AmlJob(resume=True, data=parse_bindings(outputs=["checkpoints=azureml://datastores/ds/paths/ck"]))
+    assert [b.uri for b in given.data] == ["azureml://datastores/ds/paths/ck"]
+    assert "--ckpt_path=last" not in AmlJob().training_command()
+
+
+def test_resume_of_a_script_without_trainer_arguments_needs_the_folder_in_its_arguments():
+    with pytest.raises(
+        AmlUsageError,
+        match=re.escape(
+            "train.py is not a LightningCLI script, so adasum-aml cannot point its Trainer there: pass the "
+            "folder to it (-- --checkpoint-dir '${{outputs.checkpoints}}')"
+        ),
+    ):
+        AmlJob(script="train.py", trainer_args=False, resume=True)
+    job = AmlJob(
+        script="train.py",
+        trainer_args=False,
+        resume=True,
+        training_args=["--ckpt-dir=${{outputs.checkpoints}}"],
+    )
+    assert job.training_command() == ["python", "train.py", "--ckpt-dir=${{outputs.checkpoints}}"]

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from adasum_lightning import fault_tolerance
 from adasum_lightning.aml import cli, local
@@ -149,6 +150,30 @@ def test_local_3_ddp_adasum_trains_a_few_batches_with_3_processes(mnist_root, tm
     assert "class_path: adasum_lightning.DDPAdasumStrategy" in config
     assert f"timeout: {timedelta_arg(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)}" in config
     assert "accelerator: cpu" in config and "devices: '3'" in config and "num_nodes: 1" in config
+
+
+def test_a_rerun_of_a_resume_job_resumes_from_its_last_checkpoint(mnist_root, tmp_path, capfd, monkeypatch):
+    """What Azure ML does after a preemption, here: the same job run again with the same checkpoint output.
+    The first run starts fresh and keeps last.ckpt (and each rank's optimizer file) there; the second restores
+    it and trains no step again (its epoch is done)."""
+    if mnist_root is None:
+        pytest.skip("MNIST is absent and could not be downloaded")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    checkpoints = tmp_path / "checkpoints"
+    argv = ["submit", "--strategy", "ddp_adasum", "--local", "2", "--local-batches", "2", "--resume"]
+    argv += ["--output", f"checkpoints={checkpoints}", "--data-dir", str(mnist_root)]
+    steps = []
+    for run in ("first", "second"):
+        rc = cli.main([*argv, "--staging-dir", str(tmp_path / run)])
+        out = capfd.readouterr()
+        text = out.out + out.err
+        assert rc == 0, text[-4000:]
+        assert f"--trainer.callbacks.dirpath={checkpoints}" in text
+        steps.append(torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"])
+        restored = f"Restoring states from the checkpoint path at {checkpoints / 'last.ckpt'}" in text
+        assert restored == (run == "second"), text[-4000:]
+    assert steps == [2, 2]
+    assert sorted(p.name for p in checkpoints.glob("last*")) == ["last.ckpt", "last.ckpt.rank1-optimizer.pt"]
 
 
 # -- MLflow logging on Azure ML (examples/mnist.py) ----------------------------------------------------

@@ -509,3 +509,92 @@ def test_submit_without_network_fails_fast_and_creates_no_credential(sdk, tmp_pa
     out = capsys.readouterr()
     assert "adasum-aml: submit failed: cannot reach management.azure.com:443" in out.err
     assert "s3cr3t-value" not in out.out + out.err
+
+
+# -- low-priority (spot) clusters and resume --------------------------------------------------------------
+def test_v2_low_priority_creates_a_low_priority_cluster_and_a_job_that_resumes(staged):
+    from azure.ai.ml.entities import AmlCompute
+    from azure.core.exceptions import ResourceNotFoundError
+
+    client = _mock_client()
+    client.compute.get.side_effect = ResourceNotFoundError("no such compute")
+    job = AmlJob(low_priority=True)
+    sdk_v2.submit(job, staged, CONFIG, client=client)
+    (cluster,), _ = client.compute.begin_create_or_update.call_args
+    assert isinstance(cluster, AmlCompute) and cluster.tier == "low_priority"
+    assert cluster._to_rest_object().properties.properties.vm_priority == "LowPriority"
+    (job_entity,), _ = client.jobs.create_or_update.call_args
+    output = job_entity.outputs["checkpoints"]
+    assert output.path == _checkpoints(job) and output.mode == "rw_mount"
+    assert job_entity.command.endswith(
+        "--trainer.callbacks+=ModelCheckpoint '--trainer.callbacks.dirpath=${{outputs.checkpoints}}' "
+        "--trainer.callbacks.save_last=true --ckpt_path=last"
+    )
+
+
+def test_v2_low_priority_on_an_existing_dedicated_cluster_is_refused(staged):
+    from azure.ai.ml.entities import AmlCompute
+
+    client = _mock_client()
+    client.compute.get.return_value = AmlCompute(
+        name="adasum-nc64t4", size="Standard_NC64as_T4_v3", max_instances=8, tier="dedicated"
+    )
+    with pytest.raises(AmlUsageError, match=r"exists with dedicated VMs, so --low-priority would not apply"):
+        sdk_v2.submit(AmlJob(low_priority=True), staged, CONFIG, client=client)
+    client.jobs.create_or_update.assert_not_called()
+
+
+def test_v1_low_priority_creates_a_low_priority_cluster_and_a_run_that_resumes(staged, monkeypatch):
+    from azureml.core import Workspace
+    from azureml.core.compute import ComputeTarget
+    from azureml.core.compute_target import ComputeTargetException
+
+    compute_cls = create_autospec(ComputeTarget)
+    compute_cls.side_effect = ComputeTargetException("ComputeTargetNotFound")
+    monkeypatch.setattr("azureml.core.compute.ComputeTarget", compute_cls)
+    job = AmlJob(low_priority=True)
+    sdk_v1.get_or_create_cluster(create_autospec(Workspace, instance=True), job)
+    (_, _, config), _ = compute_cls.create.call_args
+    assert config.vm_priority == "lowpriority"
+    rc = sdk_v1.run_configuration(sdk_v1.build_script_run_config(job, staged.code_dir, None))
+    location = rc["outputData"]["checkpoints"]["outputLocation"]["dataPath"]
+    assert location == {
+        "datastoreName": "workspaceblobstore",
+        "relativePath": _checkpoints(job).split("/paths/", 1)[1],
+    }
+    assert rc["arguments"][-4:] == [
+        "--trainer.callbacks+=ModelCheckpoint",
+        "--trainer.callbacks.dirpath=$AZUREML_DATAREFERENCE_checkpoints",
+        "--trainer.callbacks.save_last=true",
+        "--ckpt_path=last",
+    ]
+
+
+def test_dry_run_of_a_low_priority_job_shows_its_checkpoint_output_and_resume(capsys, tmp_path):
+    argv = [
+        "submit",
+        "--low-priority",
+        "--strategy",
+        "ddp_adasum",
+        "--dry-run",
+        "--staging-dir",
+        str(tmp_path),
+    ]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    data = yaml.safe_load(out)
+    output = data["outputs"]["checkpoints"]
+    assert output["mode"] == "rw_mount"
+    assert output["path"].startswith(
+        "azureml://datastores/workspaceblobstore/paths/adasum-checkpoints/adasum-lightning-mnist/"
+    )
+    assert data["command"].endswith("--trainer.callbacks.save_last=true --ckpt_path=last")
+    assert "(0–8 low-priority nodes)" in err and f"checkpoints in {output['path']}, a restart resumes" in err
+
+
+def _checkpoints(job: AmlJob) -> str:
+    (uri,) = [b.uri for b in job.data if b.name == "checkpoints"]
+    assert uri.startswith(
+        "azureml://datastores/workspaceblobstore/paths/adasum-checkpoints/adasum-lightning-mnist/"
+    )
+    return uri

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
+    CHECKPOINT_OUTPUT,
     DEFAULT_BASE_IMAGE,
     DEFAULT_CLUSTER,
     DEFAULT_DDP_BASE_IMAGE,
@@ -227,6 +228,19 @@ def _add_cluster_arguments(p: argparse._ArgumentGroup) -> None:
         "--experiment",
         help=f"experiment (default: your project's folder name; {DEFAULT_EXPERIMENT} for the example)",
     )
+    p.add_argument(
+        "--low-priority",
+        action="store_true",
+        help="create the cluster with low-priority (spot) VMs, which Azure may preempt; Azure ML restarts a "
+        "preempted job, which resumes from its checkpoints (implies --resume)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"keep Lightning's checkpoints in the job's output {CHECKPOINT_OUTPUT} (a new folder on the "
+        f"workspace's blob store, or --output {CHECKPOINT_OUTPUT}=URI) and resume a restarted job from the "
+        "last one (LightningCLI scripts: ModelCheckpoint(save_last=True) there and --ckpt_path=last)",
+    )
     p.add_argument("--min-nodes", type=int, default=0, help="cluster minimum nodes (default 0: no idle cost)")
     p.add_argument("--max-nodes", type=int, default=None, help="cluster maximum nodes (default: --nodes)")
     p.add_argument(
@@ -417,6 +431,12 @@ def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
                 "the script its own arguments after '--'"
             )
         _check_staging_dir(args.staging_dir, source_dir)
+    if args.local is not None and (args.resume or args.low_priority):
+        if not any(o.partition("=")[0] == CHECKPOINT_OUTPUT for o in args.output):
+            raise AmlUsageError(
+                f"--local with --resume keeps the checkpoints in a folder of yours, kept between runs: pass "
+                f"--output {CHECKPOINT_OUTPUT}=DIR"
+            )
     data = parse_bindings(
         args.input,
         args.output,
@@ -445,6 +465,8 @@ def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
         data=data,
         requirements=requirements,
         environment=args.environment,
+        low_priority=args.low_priority,
+        resume=args.resume,
     )
     if script is not None:  # after every check: nothing is printed for bad input but the error
         _warn_about_the_script(script, facts, trainer_args, args.strategy)
@@ -463,8 +485,14 @@ def _summary(job: AmlJob, sdk: str, staged) -> str:
         f"{job.node_count} nodes × "
         f"{job.process_count_per_node} processes "
         f"({job.world_size} GPUs) of {job.vm_size} on cluster {job.compute_name} "
-        f"({job.min_nodes}–{job.max_nodes} nodes), experiment {job.experiment_name}"
+        f"({job.min_nodes}–{job.max_nodes} {'low-priority ' if job.low_priority else ''}nodes), "
+        f"experiment {job.experiment_name}"
+        + (f"; checkpoints in {_checkpoint_uri(job)}, a restart resumes from the last" if job.resume else "")
     )
+
+
+def _checkpoint_uri(job: AmlJob) -> str:
+    return next(b.uri for b in job.data if b.direction == "outputs" and b.name == CHECKPOINT_OUTPUT)
 
 
 def submit_command(args: argparse.Namespace) -> int:

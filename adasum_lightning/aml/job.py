@@ -129,6 +129,22 @@ SHM_SIZE = "16g"
 #: Seconds an idle node waits before the cluster scales down (cost: min nodes 0 means no idle charge).
 IDLE_SECONDS_BEFORE_SCALEDOWN = 1800
 
+#: The job's output that holds Lightning's checkpoints with ``resume`` (``${{outputs.checkpoints}}``).
+CHECKPOINT_OUTPUT = "checkpoints"
+#: Where that output goes without ``--output checkpoints=URI``: a folder per submission, the same for every
+#: restart of the job (a preempted job restarts with the definition it was submitted with).
+CHECKPOINT_DATASTORE_PATH = (
+    "azureml://datastores/workspaceblobstore/paths/adasum-checkpoints/{experiment}/{stamp}"
+)
+#: The LightningCLI arguments of ``resume``: a ``ModelCheckpoint`` that keeps ``last.ckpt`` in the output,
+#: and ``fit(ckpt_path="last")`` (Lightning starts fresh when there is none yet).
+RESUME_ARGS: tuple[str, ...] = (
+    "--trainer.callbacks+=ModelCheckpoint",
+    f"--trainer.callbacks.dirpath=${{{{outputs.{CHECKPOINT_OUTPUT}}}}}",
+    "--trainer.callbacks.save_last=true",
+    "--ckpt_path=last",
+)
+
 #: The bundled example's entry script in the code snapshot (examples/mnist.py).
 TRAINING_SCRIPT = "mnist.py"
 #: The bundled example's cluster arguments: MNIST into ./data, outputs in ./outputs (uploaded by Azure ML).
@@ -286,6 +302,9 @@ class AmlJob:
         requirements: extra pip requirements of the image.
         environment: an existing Azure ML environment to run in (``azureml:NAME:VERSION``) instead of the
             image.
+        low_priority: a new cluster gets low-priority (spot) VMs, which Azure may preempt; implies ``resume``.
+        resume: Lightning's checkpoints go to the output ``checkpoints`` (:data:`CHECKPOINT_DATASTORE_PATH`
+            unless given), and a restarted job resumes from the last one (:data:`RESUME_ARGS`).
 
     Raises:
         AmlUsageError: on creation, for any invalid field or combination (the message names the fix).
@@ -307,6 +326,8 @@ class AmlJob:
     data: tuple[DataBinding, ...] = ()
     requirements: tuple[str, ...] = ()
     environment: str | None = None
+    low_priority: bool = False
+    resume: bool = False
 
     def __post_init__(self) -> None:
         self._check_topology()
@@ -394,8 +415,28 @@ class AmlJob:
             self._check_training_args(args)
         object.__setattr__(self, "data", tuple(self.data))
         object.__setattr__(self, "requirements", tuple(self.requirements))
+        if self.low_priority or self.resume:
+            self._add_checkpoint_output(args)
         check_placeholders(args, self.data)
         object.__setattr__(self, "training_args", args)
+
+    def _add_checkpoint_output(self, args: tuple[str, ...]) -> None:
+        """``resume``: the output ``checkpoints`` (a new folder unless given), which the script must use."""
+        object.__setattr__(self, "resume", True)
+        placeholder = f"${{{{outputs.{CHECKPOINT_OUTPUT}}}}}"
+        if not self.trainer_args and not any(placeholder in a for a in args):
+            raise AmlUsageError(
+                f"--resume (and --low-priority) keep the checkpoints in the job's output "
+                f"{CHECKPOINT_OUTPUT}, but {self.script} is not a LightningCLI script, so adasum-aml cannot "
+                f"point its Trainer there: pass the folder to it (-- --checkpoint-dir '{placeholder}') and "
+                "resume from its last checkpoint, or pass --trainer-args on if it is a LightningCLI script"
+            )
+        if any(b.name == CHECKPOINT_OUTPUT for b in self.data if b.direction == "outputs"):
+            return
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S-%f")
+        uri = CHECKPOINT_DATASTORE_PATH.format(experiment=self.experiment_name, stamp=stamp)
+        binding = DataBinding(CHECKPOINT_OUTPUT, uri, "outputs", mode="rw_mount")
+        object.__setattr__(self, "data", (*self.data, binding))
 
     def _resolve_environment_variables(self) -> None:
         """The job's variables: the defaults, the topology's, Open MPI's fault settings for MPI jobs, then
@@ -461,6 +502,15 @@ class AmlJob:
                 f"Horovod): remove --env {key}=…, or use --strategy horovod_adasum"
             )
 
+    def check_cluster_priority(self, priority: str) -> None:
+        """Refuse ``low_priority`` on an existing cluster of dedicated VMs (``priority`` as the SDK reports
+        it: v1 ``dedicated``/``lowpriority``, v2 ``dedicated``/``low_priority``; empty: unknown)."""
+        if self.low_priority and priority and priority.lower().replace("_", "") != "lowpriority":
+            raise AmlUsageError(
+                f"the cluster {self.compute_name} exists with {priority} VMs, so --low-priority would not "
+                "apply: pass --cluster NEW_NAME to create a low-priority cluster, or drop --low-priority"
+            )
+
     @property
     def is_mpi(self) -> bool:
         """True for the Horovod strategies (an Azure ML MPI job), False for ``ddp_adasum`` (a PyTorch job)."""
@@ -519,23 +569,30 @@ class AmlJob:
         """The entry script inside the code snapshot: ``SCRIPT`` or the bundled example's ``mnist.py``."""
         return TRAINING_SCRIPT if self.script is None else self.script
 
-    def training_command(
-        self, python: str = "python", training_args: Sequence[str] | None = None
-    ) -> list[str]:
-        """The command every process runs, as an argument list, e.g. ``["python", "mnist.py", "fit", ...]``.
+    def training_command(self, python: str = "python") -> list[str]:
+        """The command every process runs, as an argument list, e.g. ``["python", "mnist.py", "fit", ...]``,
+        with its ``${{…}}`` placeholders (the backends and ``--local`` bind them).
 
         The bundled example: ``fit``, :meth:`strategy_args`, its cluster defaults, then the training
         arguments. A user's script: its arguments, then :meth:`strategy_args` when ``trainer_args`` (the job's
-        topology wins over a config file).
+        topology wins over a config file). Then :data:`RESUME_ARGS` with ``resume`` and ``trainer_args``.
 
         Args:
             python: interpreter to start (``"python"`` on the cluster: the image's venv is first on PATH).
-            training_args: the arguments with their ``${{…}}`` placeholders bound (default: as given).
         """
-        args = list(self.training_args if training_args is None else training_args)
+        args = list(self.training_args)
+        resume = list(RESUME_ARGS) if self.resume and self.trainer_args else []
         if self.script is None:
-            return [python, TRAINING_SCRIPT, "fit", *self.strategy_args(), *_COMMON_TRAINING_ARGS, *args]
-        return [python, self.script, *args, *(self.strategy_args() if self.trainer_args else [])]
+            return [
+                python,
+                TRAINING_SCRIPT,
+                "fit",
+                *self.strategy_args(),
+                *_COMMON_TRAINING_ARGS,
+                *args,
+                *resume,
+            ]
+        return [python, self.script, *args, *(self.strategy_args() if self.trainer_args else []), *resume]
 
     def command_line(self) -> str:
         """:meth:`training_command` as one shell-quoted string (the SDK v2 ``command``)."""

@@ -67,7 +67,6 @@ def local_command(
     output_dir,
     batches: int,
     python: str | None = None,
-    training_args: Sequence[str] | None = None,
 ) -> list[str]:
     """The local run's command.
 
@@ -76,8 +75,7 @@ def local_command(
     run by each of the N processes. A script without ``--trainer.*`` arguments gets no overrides and reads
     :func:`local_topology`.
 
-    Args:
-        training_args: the job's training arguments with their placeholders bound to local paths.
+    The placeholders ``${{inputs.X}}`` / ``${{outputs.X}}`` stay (:func:`run_local` binds them).
 
     Raises:
         AmlUsageError: see :func:`check_local_count`; ``batches`` < 1.
@@ -86,7 +84,7 @@ def local_command(
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         raise AmlUsageError(f"--local-batches {batches!r} must be a positive integer")
     python = python or sys.executable
-    command = job.training_command(python=python, training_args=training_args)
+    command = job.training_command(python=python)
     if job.trainer_args:
         command += local_overrides(data_dir, output_dir, batches)
         if not job.is_mpi:
@@ -177,8 +175,9 @@ def run_local(
     work_dir = Path(work_dir)
     if job.script is None:
         data_dir = Path(data_dir or "data").expanduser().resolve()
-    bound = bind_placeholders(job.training_args, local_data_paths(job, work_dir))
-    command = local_command(job, np, data_dir, work_dir.resolve() / "outputs", batches, training_args=bound)
+    paths = local_data_paths(job, work_dir)
+    command = local_command(job, np, data_dir, work_dir.resolve() / "outputs", batches)
+    command = bind_placeholders(command, paths)  # the training arguments' and resume's placeholders
     code_dir, _ = stage_code(job, work_dir / "code", source_dir)
     env = dict(os.environ)
     env.update(job.environment_variables)

@@ -115,7 +115,7 @@ def build_script_run_config(job: AmlJob, code_dir: Path, environment):
     from azureml.core.runconfig import DockerConfiguration
 
     paths = {(b.direction, b.name): data_reference(b.name) for b in job.data}
-    command = job.training_command(training_args=bind_placeholders(job.training_args, paths))
+    command = bind_placeholders(job.training_command(), paths)
     src = ScriptRunConfig(
         source_directory=str(code_dir),
         script=command[1],
@@ -204,15 +204,17 @@ def get_or_create_cluster(workspace, job: AmlJob):
         vm_size = str(getattr(target, "vm_size", "") or "")
         max_nodes = getattr(getattr(target, "scale_settings", None), "maximum_node_count", None)
         _check_existing(job, vm_size, max_nodes)
+        job.check_cluster_priority(str(getattr(target, "vm_priority", "") or ""))
         print(f"[adasum-aml] using the existing cluster {job.compute_name} ({vm_size})", flush=True)
         return target
     print(
         f"[adasum-aml] creating the cluster {job.compute_name}: {job.vm_size}, "
-        f"{job.min_nodes}–{job.max_nodes} nodes",
+        f"{job.min_nodes}–{job.max_nodes} {'low-priority ' if job.low_priority else ''}nodes",
         flush=True,
     )
     config = AmlCompute.provisioning_configuration(
         vm_size=job.vm_size,
+        vm_priority="lowpriority" if job.low_priority else "dedicated",
         min_nodes=job.min_nodes,
         max_nodes=job.max_nodes,
         idle_seconds_before_scaledown=IDLE_SECONDS_BEFORE_SCALEDOWN,

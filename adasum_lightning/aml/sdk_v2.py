@@ -152,6 +152,7 @@ def get_or_create_cluster(client, job: AmlJob):
                 f"the cluster {job.compute_name} exists with VM size {size}, not {job.vm_size}. Pass "
                 f"--vm-size {size}, or --cluster NEW_NAME to create a {job.vm_size} cluster"
             )
+        job.check_cluster_priority(str(getattr(existing, "tier", "") or ""))
         max_instances = getattr(existing, "max_instances", None)
         if isinstance(max_instances, int) and max_instances < job.node_count:
             raise AmlUsageError(
@@ -163,7 +164,7 @@ def get_or_create_cluster(client, job: AmlJob):
         return existing
     print(
         f"[adasum-aml] creating the cluster {job.compute_name}: {job.vm_size}, "
-        f"{job.min_nodes}–{job.max_nodes} nodes",
+        f"{job.min_nodes}–{job.max_nodes} {'low-priority ' if job.low_priority else ''}nodes",
         flush=True,
     )
     cluster = AmlCompute(
@@ -172,6 +173,7 @@ def get_or_create_cluster(client, job: AmlJob):
         min_instances=job.min_nodes,
         max_instances=job.max_nodes,
         idle_time_before_scale_down=IDLE_SECONDS_BEFORE_SCALEDOWN,
+        tier="low_priority" if job.low_priority else "dedicated",
     )
     return client.compute.begin_create_or_update(cluster).result()
 

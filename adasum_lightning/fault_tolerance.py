@@ -16,6 +16,9 @@ __all__ = [
     "mpi_env",
     "DDP_PROCESS_GROUP_TIMEOUT",
     "TORCHRUN_FAULT_ARGS",
+    "ELASTIC_PROCESS_GROUP_TIMEOUT",
+    "TORCHRUN_ELASTIC_ARGS",
+    "TORCHRUN_ELASTIC_ENV",
     "TCP_RETRIES2",
     "tcp_retries2_sysctl",
 ]
@@ -58,6 +61,19 @@ DDP_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=30)
 #: ``torchrun`` arguments: when a worker fails, the agent waits this long from SIGTERM to SIGKILL for the
 #: others (default 30 s); a rank blocked in a collective cannot run a signal handler anyway.
 TORCHRUN_FAULT_ARGS: tuple[str, ...] = ("--shutdown-timeout", "5")
+
+#: Process-group timeout of the elastic recipe (docs/elastic.md): the survivors of a lost node fail their
+#: collective after this long and their agent restarts them; keep it above the longest legitimate wait.
+ELASTIC_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=15)
+
+#: ``torchrun`` arguments of the elastic recipe (with ``--nnodes MIN:MAX --max-restarts K``): the fault
+#: arguments, and a rendezvous that closes 5 s after the smallest world has joined (c10d default 30 s).
+TORCHRUN_ELASTIC_ARGS: tuple[str, ...] = (*TORCHRUN_FAULT_ARGS, "--rdzv-conf", "last_call_timeout=5")
+
+#: The environment of each node's ``torchrun`` in the elastic recipe: the workers' store is made afresh for
+#: every rendezvous round (by default torchrun's agent keeps one store across rounds, and a restarted worker
+#: can read a peer address its failed predecessor left there: "Gloo connectFullMesh failed").
+TORCHRUN_ELASTIC_ENV: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 #: ``net.ipv4.tcp_retries2`` for every node of a ``torchrun`` job: unacknowledged TCP data fails after about
 #: 25 s ((2^7 − 1) × 200 ms) instead of about 15 minutes (Linux's 15), ending an agent that lost its store.

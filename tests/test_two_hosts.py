@@ -21,8 +21,11 @@ import torch
 
 from adasum_lightning.fault_tolerance import (
     DDP_PROCESS_GROUP_TIMEOUT,
+    ELASTIC_PROCESS_GROUP_TIMEOUT,
     MPI_FAULT_SETTINGS,
     TCP_RETRIES2,
+    TORCHRUN_ELASTIC_ARGS,
+    TORCHRUN_ELASTIC_ENV,
     TORCHRUN_FAULT_ARGS,
     horovodrun_mpi_args,
     mpi_env,
@@ -37,6 +40,8 @@ FIT_WORKER = [sys.executable, "-m", "tests.workers.twohost_fit"]
 DDP_WORKER = ["-m", "tests.workers.twohost_ddp"]  # after torchrun's own arguments
 #: A lost host must end every process of the job within this many seconds of the cut.
 LOST_NODE_LIMIT_S = 60
+#: Under the elastic recipe the survivors train again within this many seconds of losing a host.
+ELASTIC_RECOVERY_LIMIT_S = 45
 
 
 def example_args(out: Path, data: Path, *extra: str) -> list[str]:
@@ -230,14 +235,17 @@ def test_lost_host_ends_a_horovod_job(two_hosts, tmp_path, mnist_root):
 
 
 # ---------------------------------------------------------------------------------------------- torchrun
-def start_torchrun(hosts, out: Path, *worker_args: str, args=()) -> dict[str, subprocess.Popen]:
-    """torchrun (with ``args``) on each host, 2 processes each; output in ``out/torchrun-<host>.log``."""
+def start_torchrun(
+    hosts, out: Path, *worker_args: str, args=(), nnodes: str = "2", env: Mapping[str, str] | None = None
+) -> dict[str, subprocess.Popen]:
+    """torchrun (with ``args``, and ``env`` added to its environment) on each host, 2 processes each; output
+    in ``out/torchrun-<host>.log``."""
     procs = {}
     for host in twohosts.HOSTS:
         with (out / f"torchrun-{host}.log").open("w") as log:
             procs[host] = hosts.popen(
-                host, *hosts.torchrun_cmd(2, args=args), *DDP_WORKER, str(out), *worker_args,
-                stdout=log, stderr=subprocess.STDOUT, timeout=300,
+                host, *hosts.torchrun_cmd(2, args=args, nnodes=nnodes), *DDP_WORKER, str(out), *worker_args,
+                stdout=log, stderr=subprocess.STDOUT, timeout=300, env={**hosts.env(), **(env or {})},
             )  # fmt: skip
     return procs
 
@@ -298,3 +306,77 @@ def test_lost_host_ends_a_torchrun_job(two_hosts, tmp_path):
     # hostA's agent reports its failed ranks; hostB's agent lost the rendezvous store on hostA.
     assert "ChildFailedError" in read_log(tmp_path / "torchrun-hostA.log")
     assert "RendezvousConnectionError" in read_log(tmp_path / "torchrun-hostB.log")
+
+
+def progress(out: Path) -> list[tuple[int, int, int, float]]:
+    """Every rank's ``(rank, pid, global step, time)`` lines (``--checkpoint-every`` runs), in time order."""
+    rows = []
+    for path in out.glob("progress-rank*"):
+        rank = int(path.name.removeprefix("progress-rank"))
+        for line in path.read_text().splitlines():
+            pid, step, when = line.split()
+            rows.append((rank, int(pid), int(step), float(when)))
+    return sorted(rows, key=lambda row: row[3])
+
+
+@pytest.mark.walltime
+def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_hosts, tmp_path):
+    """The elastic recipe (docs/elastic.md): ``torchrun --nnodes 1:2 --max-restarts 3`` with
+    ``TORCHRUN_ELASTIC_ARGS`` and ``TORCHRUN_ELASTIC_ENV`` on each host, ``ddp_adasum`` with
+    ``ELASTIC_PROCESS_GROUP_TIMEOUT``, a ``ModelCheckpoint`` every 5 steps and ``fit(ckpt_path="last")``.
+    hostB's link is cut at step 20 of 60: hostA's agent restarts its two workers at world size 2 from the
+    last checkpoint; they train again within ``ELASTIC_RECOVERY_LIMIT_S``, reach ``max_steps`` with
+    identical parameters, and hostA's torchrun exits 0."""
+    hosts = two_hosts
+    for host in twohosts.HOSTS:
+        check(hosts.run(host, *tcp_retries2_sysctl()), f"sysctl on {host}")
+    timeout = str(ELASTIC_PROCESS_GROUP_TIMEOUT.total_seconds())
+    worker_args = ["--strategy", "ddp_adasum", "--pg-timeout", timeout, "--samples", "100000"]
+    worker_args += ["--max-steps", "60", "--checkpoint-every", "5", "--step-seconds", "0.25"]
+    # the recipe as docs/elastic.md shows it: torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3
+    # --shutdown-timeout 5 --rdzv-backend c10d --rdzv-endpoint hostA:29400 --rdzv-id ID --rdzv-conf
+    # last_call_timeout=5 -m tests.workers.twohost_ddp OUT ...
+    assert TORCHRUN_ELASTIC_ARGS == ("--shutdown-timeout", "5", "--rdzv-conf", "last_call_timeout=5")
+    assert TORCHRUN_ELASTIC_ENV == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    command = hosts.torchrun_cmd(2, args=(*TORCHRUN_ELASTIC_ARGS, "--max-restarts", "3"), nnodes="1:2")
+    assert command[1:9] == [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "hostA:29400",
+    ]
+    assert command[9] == "--rdzv-id" and DDP_WORKER == ["-m", "tests.workers.twohost_ddp"]
+    procs = start_torchrun(
+        hosts, tmp_path, *worker_args, args=command[11:], nnodes="1:2", env=TORCHRUN_ELASTIC_ENV
+    )
+    try:
+        wait_for_training(tmp_path, 4, procs)
+        while max((row[2] for row in progress(tmp_path)), default=0) < 20:
+            time.sleep(0.05)
+        cut = time.time()
+        hosts.cut()
+        procs["hostA"].wait(timeout=240)
+    finally:
+        hosts.kill_all()
+        for proc in procs.values():
+            proc.wait(timeout=30)
+    log = read_log(tmp_path / "torchrun-hostA.log")
+    assert procs["hostA"].returncode == 0, log[-6000:]
+    rows = progress(tmp_path)
+    before = {pid for _, pid, _, when in rows if when < cut}
+    at_cut = max(step for _, _, step, when in rows if when < cut)
+    after = [row for row in rows if row[1] not in before]
+    assert sorted({rank for rank, *_ in after}) == [0, 1], after[:4]  # hostA's two workers, restarted
+    resumed = min(step for _, _, step, _ in after) - 1  # the first step after the restart, less one
+    again = after[0][3] - cut
+    print(f"cut at step {at_cut}; resumed from step {resumed}; training again {again:.1f} s after the cut")
+    assert at_cut - 5 <= resumed <= at_cut, (at_cut, resumed)  # at most one checkpoint interval lost
+    assert again <= ELASTIC_RECOVERY_LIMIT_S, again
+    ranks = load_ranks(tmp_path, 2)
+    for r, res in enumerate(ranks):
+        assert res["trainer"]["world_size"] == 2 and res["trainer"]["global_step"] == 60, r
+    assert_identical_parameters(ranks)

@@ -363,11 +363,11 @@ class TwoHosts:
         ]  # fmt: skip
 
     def torchrun_cmd(
-        self, nproc_per_node: int = 2, *, port: int = 29400, args: Sequence[str] = ()
+        self, nproc_per_node: int = 2, *, port: int = 29400, args: Sequence[str] = (), nnodes: str = "2"
     ) -> list[str]:
-        """``torchrun --nnodes 2`` with the c10d rendezvous on hostA; start it once on each host."""
+        """``torchrun --nnodes NNODES`` with the c10d rendezvous on hostA; start it once on each host."""
         return [
-            str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", str(nproc_per_node),
+            str(BIN / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"hostA:{port}", "--rdzv-id", self.netns["hostA"],
             *args,
         ]  # fmt: skip

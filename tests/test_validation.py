@@ -7,10 +7,7 @@ import sys
 import pytest
 import torch
 
-from adasum_lightning.launchers import DetectedLauncher, detect_launcher
-from adasum_lightning.ops import is_power_of_two
-from adasum_lightning.validation import (
-    AdasumConfigurationError,
+from adasum_lightning.horovod.support import (
     check_closure_optimizers,
     check_controller,
     check_cpu_operations,
@@ -18,14 +15,19 @@ from adasum_lightning.validation import (
     check_gradient_predivide_factor,
     check_horovod_dtypes,
     check_launch,
+    check_nccl_topology,
+    check_precision,
+    check_world_size,
+)
+from adasum_lightning.launchers import DetectedLauncher, detect_launcher
+from adasum_lightning.ops import is_power_of_two
+from adasum_lightning.validation import (
+    AdasumConfigurationError,
     check_launcher_world_size,
     check_module_unwrapped,
-    check_nccl_topology,
     check_overlap_backward,
-    check_precision,
     check_single_device,
     check_sync_batchnorm,
-    check_world_size,
     overlap_fallback_reason,
 )
 from tests.helpers import ROOT, mpi_env, quick_fit
@@ -166,7 +168,7 @@ def test_module_wrapped_in_ddp_is_refused_naming_the_fix():
 def test_missing_horovod_names_the_build_script_of_the_checkout_and_ddp_adasum():
     code = (
         "import sys; sys.modules['horovod.torch'] = None\n"
-        "from adasum_lightning.horovod_support import import_horovod\n"
+        "from adasum_lightning.horovod.support import import_horovod\n"
         "try:\n    import_horovod()\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run(

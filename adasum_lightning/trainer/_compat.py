@@ -1,8 +1,9 @@
-"""Every private Horovod, Lightning and torch API the Trainer strategies use, in one place.
+"""Every private Lightning and torch API the Trainer strategies use, in one place (Horovod's:
+:mod:`adasum_lightning.horovod._compat`).
 
 Each entry names where it was read; :func:`adasum_lightning._private_apis.missing` checks that the installed
 versions still have them (``tests/test_compat.py``). Read from pytorch-lightning 2.4.0 and 2.6.6 (lightning
-2.6.6 the same), Horovod 0.28.1, torch 2.14.1.
+2.6.6 the same), torch 2.14.1.
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ __all__ = [
     "process_group_timeout",
     "has_sigterm_agreement",
     "run_closure",
-    "is_horovod_adasum_optimizer",
-    "horovod_completes_window",
-    "horovod_requires_update",
-    "release_horovod_hooks",
     "mark_step_for_schedulers",
 ]
 
@@ -101,17 +98,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         optional=True,
     ),
     PrivateApi(
-        "horovod.torch.optimizer",
-        "_DistributedAdasumOptimizer",
-        "Horovod 0.28.1",
-        attributes=(
-            "self._starting_models",
-            "self._allreduce_delay",
-            "self._requires_update",
-            "self._grad_accs",
-        ),
-    ),
-    PrivateApi(
         "torch.optim.lr_scheduler",
         "LRScheduler",
         "torch 2.14.1",
@@ -163,32 +149,6 @@ def has_sigterm_agreement() -> bool:
     from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 
     return hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
-
-
-# ---------------------------------------------------------------------------------------------- Horovod
-def is_horovod_adasum_optimizer(optimizer: Optimizer) -> bool:
-    """True for Horovod's ``_DistributedAdasumOptimizer`` (a class Horovod builds at run time)."""
-    return "_starting_models" in vars(optimizer)
-
-
-def horovod_requires_update(optimizer: Optimizer) -> list[Any]:
-    """The parameters Horovod's Adasum optimizer reduces (those with ``requires_grad``)."""
-    return list(optimizer._requires_update)
-
-
-def horovod_completes_window(optimizer: Optimizer, param: Any) -> bool:
-    """True when this backward pass ends ``param``'s accumulation window in Horovod's Adasum optimizer.
-
-    Its hook counts ``_allreduce_delay`` down to 0, then runs the local step at once.
-    """
-    return optimizer._allreduce_delay.get(param) == 1
-
-
-def release_horovod_hooks(optimizer: Optimizer) -> None:
-    """Drop the references that keep Horovod's backward hooks alive, so that a later ``fit`` wraps afresh."""
-    grad_accs = getattr(optimizer, "_grad_accs", None)
-    if isinstance(grad_accs, list):
-        grad_accs.clear()
 
 
 # ---------------------------------------------------------------------------------------------- torch

@@ -28,14 +28,11 @@ __all__ = [
 for _strategy in (DDPAdasumStrategy, FSDPAdasumStrategy):
     _strategy.register_strategies(STRATEGY_REGISTRY)
 
-# The Horovod strategies register themselves; imported last and as a module (never by name), since importing
-# that module first imports this package.
+# Registers the Horovod strategies; last and as a module: importing that module first imports this package.
 import adasum_lightning.horovod.fabric as _horovod  # noqa: E402
-
-_HOROVOD_NAMES = ("HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _HOROVOD_NAMES:
+    if name in ("HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"):
         return getattr(_horovod, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -71,15 +71,16 @@ def release_horovod_hooks(optimizer: Optimizer) -> None:
         grad_accs.clear()
 
 
-#: Horovod's optimizer methods that Fabric's wrapper reaches through its class (it defines ``step`` itself).
+#: Horovod's optimizer methods that Lightning's and Fabric's wrappers reach through its class.
 _HOROVOD_METHODS = ("zero_grad", "synchronize", "skip_synchronize", "set_backward_passes_per_step")
 
 
 def route_horovod_methods_to(optimizer: Any) -> None:
-    """Make Horovod's optimizer methods act on ``optimizer`` itself when called through Fabric's wrapper.
+    """Make Horovod's optimizer methods act on ``optimizer`` itself when called through a wrapper.
 
-    The wrapper's class subclasses the optimizer's, so Horovod's ``super(self.__class__, self).zero_grad()``
-    would recurse without end, and ``synchronize`` would flag the wrapper. The class is ``optimizer``'s own
+    ``LightningOptimizer``'s and Fabric's wrapper's classes subclass the optimizer's, so Horovod's
+    ``super(self.__class__, self).zero_grad()`` would recurse without end (manual optimization's
+    ``opt.zero_grad()``), and ``synchronize`` would flag the wrapper. The class is ``optimizer``'s own
     (Horovod builds one per ``DistributedOptimizer`` call), so its methods are rebound to ``optimizer``.
     """
     cls = type(optimizer)

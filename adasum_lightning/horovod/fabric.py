@@ -1,9 +1,7 @@
 """``Fabric(strategy="horovod_adasum")`` and ``Fabric(strategy="horovod")``: Horovod's optimizer in Fabric,
 the counterparts of :mod:`adasum_lightning.horovod.trainer`; and the cluster environment of both APIs'
-Horovod strategies, :class:`HorovodEnvironment`.
-
-Imports ``lightning_fabric`` by name: its copy for ``lightning.fabric`` is this file with that name renamed
-(:mod:`adasum_lightning._namespaces`). Importing it registers its strategies.
+Horovod strategies, :class:`HorovodEnvironment`. Importing it registers the strategies; its copy for
+``lightning.fabric`` is this file with the package names renamed (:mod:`adasum_lightning._namespaces`).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from typing_extensions import override
 
 from adasum_lightning._strategy_parts import prepare_unwrapped_module, register, sampler_seed
 from adasum_lightning.fabric._compat import BackwardSyncControl
-from adasum_lightning.horovod import _compat, support
+from adasum_lightning.horovod import support
 from adasum_lightning.horovod.process import HorovodProcess
 from adasum_lightning.launchers import (
     detect_launcher,
@@ -44,12 +42,13 @@ from adasum_lightning.reporting import reported_on_every_rank
 __all__ = ["HorovodEnvironment", "HorovodStrategy", "HorovodAdasumStrategy"]
 
 
-def _hvd_initialized() -> Any:
+def _from_horovod(name: str, before_init: Callable[[], int]) -> int:
+    """``hvd.<name>()`` once Horovod is initialised, else ``before_init()`` (the launcher's variables)."""
     try:
         import horovod.torch as hvd
     except ImportError:
-        return None
-    return hvd if hvd.is_initialized() else None
+        return before_init()
+    return getattr(hvd, name)() if hvd.is_initialized() else before_init()
 
 
 class HorovodEnvironment(ClusterEnvironment):
@@ -76,16 +75,12 @@ class HorovodEnvironment(ClusterEnvironment):
     @property
     @override
     def main_address(self) -> str:
-        if self._main_address is not None:
-            return self._main_address
-        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+        return self._main_address or os.environ.get("MASTER_ADDR", "127.0.0.1")
 
     @property
     @override
     def main_port(self) -> int:
-        if self._main_port is not None:
-            return self._main_port
-        return int(os.environ.get("MASTER_PORT", 0))
+        return self._main_port if self._main_port is not None else int(os.environ.get("MASTER_PORT", 0))
 
     @staticmethod
     def free_port() -> int:
@@ -104,8 +99,7 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def world_size(self) -> int:
-        hvd = _hvd_initialized()
-        return hvd.size() if hvd else launcher_world_size()
+        return _from_horovod("size", launcher_world_size)
 
     @override
     def set_world_size(self, size: int) -> None:
@@ -113,8 +107,7 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def global_rank(self) -> int:
-        hvd = _hvd_initialized()
-        return hvd.rank() if hvd else launcher_rank()
+        return _from_horovod("rank", launcher_rank)
 
     @override
     def set_global_rank(self, rank: int) -> None:
@@ -122,13 +115,11 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def local_rank(self) -> int:
-        hvd = _hvd_initialized()
-        return hvd.local_rank() if hvd else launcher_local_rank()
+        return _from_horovod("local_rank", launcher_local_rank)
 
     def local_world_size(self) -> int:
         """Processes on this node (Horovod's local size)."""
-        hvd = _hvd_initialized()
-        return hvd.local_size() if hvd else launcher_local_size()
+        return _from_horovod("local_size", launcher_local_size)
 
     @override
     def node_rank(self) -> int:
@@ -162,8 +153,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         process_group_backend, timeout: of the ``torch.distributed`` process group beside Horovod.
         lr_scaling: ``"auto"`` (× world size here), ``"none"`` or a positive factor.
         backward_passes_per_step: backward passes per optimizer step (gradient accumulation), Horovod's.
-        compression: ``"none"`` or ``"fp16"`` (float16 on the wire only).
-        gradient_predivide_factor: Horovod's averaging split; 1 for Adasum.
+        compression, gradient_predivide_factor: Horovod's (see :class:`~.process.HorovodProcess`).
 
     Raises:
         ValueError: an invalid ``lr_scaling``, ``backward_passes_per_step`` or ``compression``.
@@ -203,8 +193,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {passes!r}")
         self.backward_passes_per_step = backward_passes_per_step
-        self.compression = support.check_compression(compression)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self._set_options(compression, gradient_predivide_factor)
         #: The learning-rate factor applied to the last optimizer set up (None before).
         self.lr_factor: float | None = None
         self._parameter_names: dict[Tensor, str] = {}
@@ -250,7 +239,6 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         wrapped = self._horovod_optimizer(
             optimizer, index, self._parameter_names, self.backward_passes_per_step
         )
-        _compat.route_horovod_methods_to(wrapped)
         self.lr_factor = self.lr_scale_factor()
         scale_learning_rates([wrapped], [], self.lr_factor)
         rank_zero_info(
@@ -295,7 +283,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
                 return super().optimizer_step(optimizer, **kwargs)
             closure = kwargs.get("closure")
             if closure is not None:
-                kwargs["closure"] = self._closure_then_synchronize(optimizer, closure)
+                kwargs["closure"] = self._closure_then_synchronize(optimizer, closure, True, self.all_reduce)
             else:
                 self._synchronize(optimizer)
             with optimizer.skip_synchronize():
@@ -309,18 +297,6 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         if id(optimizer) not in self._synchronized:
             optimizer.synchronize()
             self._synchronized.add(id(optimizer))
-
-    def _closure_then_synchronize(
-        self, optimizer: Optimizer, closure: Callable[[], Any]
-    ) -> Callable[[], Any]:
-        def evaluate() -> Any:
-            result = closure()
-            optimizer.synchronize()
-            if isinstance(result, Tensor):
-                result = self.all_reduce(result.detach().clone(), reduce_op="mean")
-            return result
-
-        return evaluate
 
     def _skip_backward_pass(self) -> None:
         """Count one backward pass under ``fabric.no_backward_sync``; refuse one that Horovod would reduce."""
@@ -354,11 +330,6 @@ class HorovodAdasumStrategy(HorovodStrategy):
 
     strategy_name = "horovod_adasum"
     reduction = "Adasum"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        with reported_on_every_rank(launcher_rank()):
-            support.check_gradient_predivide_factor(self.gradient_predivide_factor)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override

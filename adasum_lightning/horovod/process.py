@@ -1,9 +1,5 @@
-"""One process per device under ``horovodrun``/``mpirun``: what a Horovod strategy of either Lightning API
-does the same way (Horovod's start, its launch rules, the ``torch.distributed`` group beside it, its optimizer
-wrapper and learning-rate policy).
-
-Imports no Lightning package, so every copy of the strategies imports it as it is.
-"""
+"""What the Horovod strategies of both Lightning APIs do the same way; imports no Lightning package, so every
+copy of the strategies imports it as it is."""
 
 from __future__ import annotations
 
@@ -18,11 +14,10 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from adasum_lightning.launchers import detect_launcher
+from adasum_lightning.horovod import _compat, support
+from adasum_lightning.launchers import detect_launcher, launcher_rank
 from adasum_lightning.reporting import reported_on_every_rank
 from adasum_lightning.validation import AdasumConfigurationError
-
-from . import support
 
 __all__ = ["HorovodProcess", "agree_on_process_group", "process_group_address"]
 
@@ -34,8 +29,10 @@ class HorovodProcess:
     Mixed in before a Lightning ``DDPStrategy`` (Trainer's or Fabric's), whose process group then carries
     Lightning's own collectives; that strategy provides ``cluster_environment``, ``world_size``,
     ``global_rank``, ``local_rank`` and ``num_nodes``. The class sets ``strategy_name`` and ``reduction``
-    (Horovod's op name, ``"Average"`` or ``"Adasum"``); ``__init__`` sets ``compression`` and
-    ``gradient_predivide_factor``.
+    (Horovod's op name, ``"Average"`` or ``"Adasum"``); ``__init__`` sets the options ``compression``
+    (``"none"`` or ``"fp16"``: Horovod's ``Compression.fp16``, float16 on the wire only) and
+    ``gradient_predivide_factor`` (Horovod's averaging split: ÷ factor before the sum, × factor ÷ size after;
+    1 for Adasum).
     """
 
     strategy_name: str
@@ -83,6 +80,14 @@ class HorovodProcess:
     def _configure_launcher(self) -> None:
         self._launcher = None  # horovodrun / mpirun start the processes
 
+    def _set_options(self, compression: str, gradient_predivide_factor: float) -> None:
+        """Set ``compression`` and ``gradient_predivide_factor`` (1 under Adasum, refused on every rank)."""
+        self.compression = support.check_compression(compression)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        if self.reduction == "Adasum":
+            with reported_on_every_rank(launcher_rank()):
+                support.check_gradient_predivide_factor(self.gradient_predivide_factor)
+
     def setup_environment(self) -> None:
         """``hvd.init()``, the launch rules, then the ``torch.distributed`` process group at the address and
         port rank 0 picks and Horovod broadcasts (``MASTER_ADDR``/``MASTER_PORT`` when set).
@@ -115,10 +120,16 @@ class HorovodProcess:
             cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS"),
             strategy_name=self.strategy_name,
         )
-        if self.reduction == "Adasum":
-            warning = support.check_adasum_world(self.hvd, self.root_device.type)
-            if warning:
-                rank_zero_warn(warning)
+        hvd = self.hvd
+        if self.reduction != "Adasum" or hvd.size() == 1:
+            return  # Adasum's rules: a world of 1 reduces nothing
+        support.check_controller(
+            mpi_built=hvd.mpi_built(), mpi_enabled=hvd.mpi_enabled(), gloo_enabled=hvd.gloo_enabled()
+        )
+        if self.root_device.type != "cuda" or not hvd.nccl_built():
+            support.check_world_size(hvd.size())
+        elif warning := support.check_nccl_topology(hvd.size(), hvd.allgather_object(hvd.local_size())):
+            rank_zero_warn(warning)
 
     def _check_module(self, module: Module) -> None:
         """Refuse, on every rank, bfloat16 parameters on CPU (:func:`~.support.check_horovod_dtypes`)."""
@@ -161,7 +172,7 @@ class HorovodProcess:
             for g, group in enumerate(optimizer.param_groups)
             for j, p in enumerate(group["params"])
         ]
-        return hvd.DistributedOptimizer(
+        wrapped = hvd.DistributedOptimizer(
             optimizer,
             named_parameters=named,
             compression=hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none,
@@ -169,6 +180,25 @@ class HorovodProcess:
             backward_passes_per_step=backward_passes_per_step,
             gradient_predivide_factor=self.gradient_predivide_factor,
         )
+        _compat.route_horovod_methods_to(wrapped)  # Lightning's and Fabric's wrappers subclass its class
+        return wrapped
+
+    @staticmethod
+    def _closure_then_synchronize(
+        optimizer: Any, closure: Callable[[], Any], average_loss: bool, reduce: Callable[..., Tensor]
+    ) -> Callable[[], Any]:
+        """``closure`` (forward, backward), then wait for the gradient allreduce of Horovod's ``optimizer``; a
+        tensor it returns is averaged over the ranks with ``reduce`` when ``average_loss``, so that every
+        rank decides alike (e.g. LBFGS's line search)."""
+
+        def evaluate() -> Any:
+            result = closure()
+            optimizer.synchronize()
+            if average_loss and isinstance(result, Tensor):
+                result = reduce(result.detach().clone(), reduce_op="mean")
+            return result
+
+        return evaluate
 
 
 def agree_on_process_group(hvd: Any, environment: Any) -> int:

@@ -1,5 +1,6 @@
 """Horovod without Lightning: importing it, the build command when it is missing, and the rules of its launch,
-its Adasum and its optimizer (each a pure function whose error names the fix).
+its Adasum and its optimizer (each a pure function whose error names the fix; ``strategy_name`` and ``api``
+only name the strategy and the Lightning API in it).
 
 Imports no Lightning package, so every copy of the strategies imports it as it is. Sources for the rules
 (Horovod 0.28.1): ``horovod/torch/mpi_ops.py`` (CPU Adasum: power-of-2 world size),
@@ -29,7 +30,6 @@ __all__ = [
     "missing_horovod_message",
     "import_horovod",
     "needs_closure",
-    "check_adasum_world",
     "check_launch",
     "check_controller",
     "check_cpu_operations",
@@ -101,27 +101,6 @@ def needs_closure(optimizer: Optimizer) -> bool:
     return False
 
 
-def check_adasum_world(hvd: Any, device_type: str) -> str | None:
-    """The launch rules of Horovod's Adasum, right after ``hvd.init()``; none at world size 1.
-
-    Returns:
-        A warning for rank 0 (NCCL on a single node: Adasum then averages), else None.
-
-    Raises:
-        AdasumConfigurationError: :func:`check_controller`, :func:`check_nccl_topology` or
-            :func:`check_world_size` fails.
-    """
-    if hvd.size() == 1:
-        return None  # nothing is reduced
-    check_controller(
-        mpi_built=hvd.mpi_built(), mpi_enabled=hvd.mpi_enabled(), gloo_enabled=hvd.gloo_enabled()
-    )
-    if device_type == "cuda" and hvd.nccl_built():
-        return check_nccl_topology(hvd.size(), hvd.allgather_object(hvd.local_size()))
-    check_world_size(hvd.size())
-    return None
-
-
 def _sizes(n: int) -> str:
     return " or ".join(str(v) for v in nearest_powers_of_two(n))
 
@@ -141,8 +120,6 @@ def check_launch(
         horovod_size: ``hvd.size()``.
         launcher: :func:`adasum_lightning.launchers.detect_launcher` (None for a plain start).
         requested_devices: the ``devices`` the ``Trainer`` (or ``Fabric``) was given.
-        api: ``"Trainer"`` or ``"Fabric"``, in the message.
-        strategy_name: the strategy's registered name, for the message.
 
     Raises:
         AdasumConfigurationError: a world of 1 while the launcher started N > 1 processes or ``devices`` asks
@@ -161,8 +138,7 @@ def check_launch(
     if requested_devices > 1:
         seen = "no launcher (a plain `python` start)" if launcher is None else launcher.name
         raise AdasumConfigurationError(
-            f"{api}(devices={requested_devices}) asks for {requested_devices} devices, but this process "
-            "was "
+            f"{api}(devices={requested_devices}) asks for {requested_devices} devices, but this process was "
             f"started by {seen} and Horovod sees a world of 1; {strategy_name} never starts processes "
             f"themselves. Launch `horovodrun -np {requested_devices} python SCRIPT ...` with devices=1 (one "
             "process per device), or use strategy='ddp_adasum', which starts the processes itself."
@@ -201,7 +177,6 @@ def check_cpu_operations(
     Args:
         mpi_enabled: ``hvd.mpi_enabled()``.
         cpu_operations: the ``HOROVOD_CPU_OPERATIONS`` environment variable (None when unset).
-        strategy_name: the strategy's registered name, for the message.
 
     Raises:
         AdasumConfigurationError: MPI controller with ``HOROVOD_CPU_OPERATIONS=gloo``.
@@ -209,9 +184,9 @@ def check_cpu_operations(
     if mpi_enabled and cpu_operations is not None and cpu_operations.strip().lower() == "gloo":
         raise AdasumConfigurationError(
             f"{strategy_name} cannot run with HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (mpirun / "
-            "horovodrun --mpi): Horovod's "
-            "Gloo collectives crash there (segmentation fault). Unset HOROVOD_CPU_OPERATIONS (or set it to "
-            "mpi), or launch with horovodrun --gloo and strategy='horovod'."
+            "horovodrun --mpi): Horovod's Gloo collectives crash there (segmentation fault). Unset "
+            "HOROVOD_CPU_OPERATIONS (or set it to mpi), or launch with horovodrun --gloo and "
+            "strategy='horovod'."
         )
 
 
@@ -353,7 +328,6 @@ def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Seq
     Its optimizer runs the wrapped ``step()`` inside each parameter's backward hook, without a closure.
 
     Args:
-        strategy_name: the strategy's registered name, for the message.
         optimizers_needing_closure: class names of the optimizers whose ``step`` has a required ``closure``.
 
     Raises:
@@ -373,7 +347,6 @@ def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[
     """Horovod 0.28.1's CPU collectives have no bfloat16: bfloat16 parameters cannot be reduced on CPU.
 
     Args:
-        strategy_name: the strategy's registered name, for the message.
         device_type: the parameters' device (``"cpu"``, ``"cuda"``); GPUs are not checked.
         dtypes: the dtypes of the parameters that require a gradient.
 

@@ -5,10 +5,8 @@ Lightning 2.0 removed its Horovod strategy (`#16150
 the learning-rate policy (``lr_scaling="auto"``): Adasum of parameter deltas, factor 1 (``hvd.local_size()``
 on GPU with a NCCL-built Horovod); or the average of gradients, factor world size. ``horovodrun``/``mpirun``
 start the processes; Horovod reduces the update and a ``torch.distributed`` process group over the same
-ranks carries everything else (:mod:`adasum_lightning.trainer._base`).
-
-Imports ``pytorch_lightning`` by name: its copy for ``lightning.pytorch`` is this file with the package names
-renamed (:mod:`adasum_lightning._namespaces`). Importing it registers its strategies.
+ranks carries everything else (:mod:`adasum_lightning.trainer._base`). Importing it registers them; its copy
+for ``lightning.pytorch`` is this file with the package names renamed (:mod:`adasum_lightning._namespaces`).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from adasum_lightning.horovod.fabric import HorovodEnvironment
 from adasum_lightning.horovod.process import HorovodProcess
 from adasum_lightning.trainer._base import UpdateReducingDDPStrategy
 from adasum_lightning.trainer._compat import (
-    lightning_optimizers,
     mark_step_for_schedulers,
     unwrap_lightning_optimizer,
 )
@@ -50,9 +47,7 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
     Args:
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy.
         lr_scaling: ``"auto"`` (× world size here), ``"none"`` or a positive factor.
-        compression: ``"none"`` or ``"fp16"`` (Horovod's ``Compression.fp16``: float16 on the wire only).
-        gradient_predivide_factor: Horovod's averaging split (÷ factor before the sum, × factor ÷ size after);
-            1 for Adasum.
+        compression, gradient_predivide_factor: Horovod's (see :class:`~.process.HorovodProcess`).
         process_group_backend, timeout: of the ``torch.distributed`` process group beside Horovod.
 
     Raises:
@@ -83,27 +78,8 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
             lr_scaling=lr_scaling,
             **kwargs,
         )
-        self.compression = support.check_compression(compression)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self._set_options(compression, gradient_predivide_factor)
         self._hook_handles: list[Any] = []
-
-    # ------------------------------------------------------------------------------------------ properties
-    @property
-    @override
-    def optimizers(self) -> list[Optimizer]:
-        return self._optimizers
-
-    @optimizers.setter
-    def optimizers(self, optimizers: list[Optimizer]) -> None:
-        super(HorovodStrategy, type(self)).optimizers.fset(self, optimizers)
-        # Lightning's LightningOptimizer subclasses the optimizer's class; Horovod's wrapper methods call
-        # super(self.__class__, self), which then recurses forever (manual optimisation's opt.zero_grad()).
-        # Route those methods to the wrapper itself.
-        for lightning_optimizer in lightning_optimizers(self):
-            wrapped = unwrap_lightning_optimizer(lightning_optimizer)
-            for name in ("zero_grad", "synchronize", "skip_synchronize"):
-                if name in vars(type(wrapped)):
-                    setattr(lightning_optimizer, name, getattr(wrapped, name))
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -119,8 +95,10 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
             return
         originals = list(self.optimizers)
         self._check_optimizers(originals)
+        assert self.lightning_module is not None
+        names = {p: name for name, p in self.lightning_module.named_parameters()}
         self.optimizers = [
-            self._wrap_optimizer(optimizer, index, trainer.accumulate_grad_batches)
+            self._horovod_optimizer(optimizer, index, names, trainer.accumulate_grad_batches)
             for index, optimizer in enumerate(originals)
         ]
         # Schedulers must follow the wrapper: a checkpoint restore replaces its param groups.
@@ -133,11 +111,6 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
     @override
     def _describe_reduction(self) -> str:
         return f"Horovod {self.reduction} reduction"
-
-    def _wrap_optimizer(self, optimizer: Optimizer, index: int, backward_passes_per_step: int) -> Optimizer:
-        assert self.lightning_module is not None
-        names = {p: name for name, p in self.lightning_module.named_parameters()}
-        return self._horovod_optimizer(optimizer, index, names, backward_passes_per_step)
 
     @override
     def _reduced_step(
@@ -154,17 +127,11 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
         hvd_optimizer = unwrap_lightning_optimizer(optimizer)
         if _compat.is_horovod_adasum_optimizer(hvd_optimizer):
             return self._local_step(optimizer, closure, model, kwargs)
-        average_loss = support.needs_closure(hvd_optimizer)
-
-        def closure_then_synchronize() -> Any:
-            result = closure()
-            hvd_optimizer.synchronize()
-            if average_loss and isinstance(result, Tensor):
-                result = self.reduce(result.detach().clone(), reduce_op="mean")  # Lightning's loss stays
-            return result
-
+        # Lightning's own closure returns the loss it logs: averaged only for an optimizer that decides by it
+        average = support.needs_closure(hvd_optimizer)
+        evaluate = self._closure_then_synchronize(hvd_optimizer, closure, average, self.reduce)
         with hvd_optimizer.skip_synchronize():
-            return self._local_step(optimizer, closure_then_synchronize, model, kwargs)
+            return self._local_step(optimizer, evaluate, model, kwargs)
 
     @override
     def teardown(self) -> None:
@@ -202,10 +169,6 @@ class HorovodAdasumStrategy(HorovodStrategy):
 
     strategy_name = "horovod_adasum"
     reduction = "Adasum"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        support.check_gradient_predivide_factor(self.gradient_predivide_factor)
 
     @override
     def _validate_trainer(self, trainer: pl.Trainer) -> None:

@@ -23,7 +23,6 @@ __all__ = [
     "configure_optimizers",
     "configure_schedulers",
     "sync_module_states",
-    "lightning_optimizers",
     "unwrap_lightning_optimizer",
     "layer_sync",
     "process_group_timeout",
@@ -48,7 +47,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "pytorch_lightning.strategies.strategy",
         "Strategy",
         "pytorch-lightning 2.4.0, 2.6.6",
-        attributes=("self._lightning_optimizers", "self._optimizers", "self._launcher"),
+        attributes=("self._launcher",),
     ),
     # fsdp_adasum: the steps through the FSDP2 root module's forward (as DDPStrategy's through its wrapper),
     # and the mesh a LightningModule's configure_model() reads (as ModelParallelStrategy sets it).
@@ -113,11 +112,6 @@ configure_optimizers: Callable[[Any], tuple[list, list, Any]] = _configure_optim
 configure_schedulers: Callable[[list, Any], list] = _configure_schedulers_automatic_opt
 #: Broadcast a module's parameters and buffers from rank 0 over the default group (any dtype, any layout).
 sync_module_states: Callable[[Any], None] = _sync_module_states
-
-
-def lightning_optimizers(strategy: Any) -> list[Any]:
-    """The ``LightningOptimizer`` wrappers a strategy keeps next to ``strategy.optimizers``."""
-    return list(strategy._lightning_optimizers)
 
 
 def layer_sync(strategy: Any) -> Any:

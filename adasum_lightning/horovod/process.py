@@ -29,8 +29,8 @@ class HorovodProcess:
     Mixed in before a Lightning ``DDPStrategy`` (Trainer's or Fabric's), whose process group then carries
     Lightning's own collectives; that strategy provides ``cluster_environment``, ``world_size``,
     ``global_rank``, ``local_rank`` and ``num_nodes``. The class sets ``strategy_name`` and ``reduction``
-    (Horovod's op name, ``"Average"`` or ``"Adasum"``); ``__init__`` sets the options ``compression``
-    (``"none"`` or ``"fp16"``: Horovod's ``Compression.fp16``, float16 on the wire only) and
+    (Horovod's op name, ``"Average"`` or ``"Adasum"``); ``__init__`` calls :meth:`_set_options`:
+    ``compression`` (``"none"`` or ``"fp16"``: Horovod's ``Compression.fp16``, float16 on the wire only) and
     ``gradient_predivide_factor`` (Horovod's averaging split: ÷ factor before the sum, × factor ÷ size after;
     1 for Adasum).
     """

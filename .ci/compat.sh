@@ -52,9 +52,10 @@ step "environment ready in ${SECONDS}s:" $("$venv/bin/python" -m pip list --disa
 # the installed copy from outside the checkout.
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(
-  tests/test_strategy.py tests/test_validation.py tests/test_compat.py tests/test_packages.py
-  tests/test_mpi.py tests/test_mpi_edge_cases.py tests/test_crossrank.py tests/test_ddp_adasum.py
-  tests/test_forms.py tests/test_optimizer.py tests/test_fabric_horovod.py tests/test_uneven.py tests/test_resume.py)
+  tests/test_strategy.py tests/test_validation.py tests/test_horovod_support.py tests/test_compat.py
+  tests/test_packages.py tests/test_mpi.py tests/test_mpi_edge_cases.py tests/test_crossrank.py
+  tests/test_ddp_adasum.py tests/test_forms.py tests/test_optimizer.py tests/test_fabric_horovod.py
+  tests/test_uneven.py tests/test_resume.py)
 # As make test runs them: two workers (the files that share launches on one), then the tests that assert a
 # wall-clock limit alone; pytest's 5 (nothing selected) is no failure there.
 run_tests() {

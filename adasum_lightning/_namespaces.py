@@ -3,8 +3,9 @@
 ``pytorch_lightning`` (with ``lightning_fabric``) and the unified ``lightning`` (``lightning.pytorch``,
 ``lightning.fabric``) can be installed together, and each has its own ``StrategyRegistry`` and ``Strategy``
 class: one's ``Trainer`` rejects a strategy built on the other. So the strategies are written once, in
-:mod:`adasum_lightning.trainer` and :mod:`adasum_lightning.fabric`, and loaded a second time as
-``adasum_lightning.lightning`` (and ``.lightning.fabric``) with the package names renamed, as Lightning's
+:mod:`adasum_lightning.trainer`, :mod:`adasum_lightning.fabric` and :mod:`adasum_lightning.horovod`'s
+``trainer`` and ``fabric``, and loaded a second time as ``adasum_lightning.lightning`` (``.lightning.fabric``,
+``.lightning.horovod.trainer``, ``.lightning.horovod.fabric``) with the package names renamed, as Lightning's
 release tooling builds ``lightning`` from the standalone sources.
 
 Strategy names are registered only once a Lightning package is imported (a ``wrapt`` post-import hook):
@@ -37,10 +38,12 @@ _SOURCE_PACKAGE = "adasum_lightning.trainer"
 _MIRROR_PACKAGE = "adasum_lightning.lightning"
 _FABRIC_SOURCE_PACKAGE = "adasum_lightning.fabric"
 _FABRIC_MIRROR_PACKAGE = "adasum_lightning.lightning.fabric"
+_HOROVOD_MIRROR_PACKAGE = "adasum_lightning.lightning.horovod"
 _PACKAGE_DIR = Path(__file__).resolve().parent
 #: Mirror package → the source folder it is loaded from, the more specific first.
 _MIRRORS = (
     (_FABRIC_MIRROR_PACKAGE, _PACKAGE_DIR / "fabric"),
+    (_HOROVOD_MIRROR_PACKAGE, _PACKAGE_DIR / "horovod"),
     (_MIRROR_PACKAGE, _PACKAGE_DIR / "trainer"),
 )
 
@@ -77,6 +80,9 @@ _RENAMES = (
     (re.compile(r"\bpytorch_lightning\b"), "lightning.pytorch"),
     (re.compile(r"\blightning_fabric\b"), "lightning.fabric"),
     (re.compile(r"\badasum_lightning\.fabric\b"), _FABRIC_MIRROR_PACKAGE),
+    (re.compile(r"\badasum_lightning\.trainer\b"), _MIRROR_PACKAGE),
+    # only the Horovod modules that import Lightning: the others are shared by both copies
+    (re.compile(r"\badasum_lightning\.horovod\.(?=(trainer|fabric)\b)"), _HOROVOD_MIRROR_PACKAGE + "."),
 )
 
 
@@ -176,8 +182,9 @@ class _MirrorLoader(importlib.abc.SourceLoader):
 
 
 class _MirrorFinder(importlib.abc.MetaPathFinder):
-    """Finds ``adasum_lightning.lightning[.X]`` (the renamed ``adasum_lightning/trainer[/X].py``)
-    and ``adasum_lightning.lightning.fabric[.X]`` (the renamed ``adasum_lightning/fabric[/X].py``)."""
+    """Finds ``adasum_lightning.lightning[.X]`` (the renamed ``adasum_lightning/trainer[/X].py``),
+    ``adasum_lightning.lightning.fabric[.X]`` (the renamed ``adasum_lightning/fabric[/X].py``) and
+    ``adasum_lightning.lightning.horovod[.X]`` (the renamed ``adasum_lightning/horovod[/X].py``)."""
 
     def find_spec(self, fullname, path=None, target=None):
         found = [(m, d) for m, d in _MIRRORS if fullname == m or fullname.startswith(m + ".")]

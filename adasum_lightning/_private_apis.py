@@ -1,7 +1,7 @@
 """How a private API of another package is recorded and checked; needs no Lightning.
 
-``trainer/_compat.py`` and ``fabric/_compat.py`` list the entries (their ``PRIVATE_APIS``); :func:`missing`
-checks both lists for the Lightning package in use (``tests/test_compat.py``).
+``trainer/_compat.py``, ``fabric/_compat.py`` and ``horovod/_compat.py`` list the entries (their
+``PRIVATE_APIS``); :func:`missing` checks them for the Lightning package in use (``tests/test_compat.py``).
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["PrivateApi", "COMPAT_MODULES", "missing"]
+__all__ = ["PrivateApi", "COMPAT_MODULES", "LIGHTNING_FREE_COMPAT_MODULES", "missing"]
 
 #: The modules whose ``PRIVATE_APIS`` the strategies for each Lightning package use (Trainer's, Fabric's).
 COMPAT_MODULES: dict[str, tuple[str, str]] = {
     "pytorch_lightning": ("adasum_lightning.trainer._compat", "adasum_lightning.fabric._compat"),
     "lightning.pytorch": ("adasum_lightning.lightning._compat", "adasum_lightning.lightning.fabric._compat"),
 }
+#: The modules whose ``PRIVATE_APIS`` the strategies of either Lightning package use.
+LIGHTNING_FREE_COMPAT_MODULES: tuple[str, ...] = ("adasum_lightning.horovod._compat",)
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ def missing(package: str = "pytorch_lightning", include_optional: bool = False) 
 
     Empty when all are there. Imports ``package`` (a key of :data:`COMPAT_MODULES`).
     """
-    apis = [api for module in COMPAT_MODULES[package] for api in importlib.import_module(module).PRIVATE_APIS]
+    modules = (*COMPAT_MODULES[package], *LIGHTNING_FREE_COMPAT_MODULES)
+    apis = [api for module in modules for api in importlib.import_module(module).PRIVATE_APIS]
     return [
         problem
         for api in apis

@@ -2,32 +2,25 @@
 
 The functions take the strategy they serve as it is: a Trainer or Fabric strategy has the same
 ``strategy_name``, ``global_rank``, ``cluster_environment``, ``num_processes``, ``num_nodes`` and
-``broadcast``. :class:`HorovodProcess` is the part of a Horovod strategy that both APIs write the same way.
+``broadcast``. The Horovod strategies' share is :class:`adasum_lightning.horovod.process.HorovodProcess`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
-from torch import Tensor
 from torch.nn import Module, SyncBatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from adasum_lightning import validation
-from adasum_lightning.horovod_support import agree_on_process_group, check_adasum_world, import_horovod
-from adasum_lightning.launchers import detect_launcher
 from adasum_lightning.local_sgd import PeriodicSync
 from adasum_lightning.reporting import reported_on_every_rank
 
 __all__ = [
-    "HorovodProcess",
     "ReplicaMesh",
     "check_launcher_world_size",
     "close_windows",
@@ -164,18 +157,6 @@ def close_windows(windows: dict[int, PeriodicSync]) -> None:
     windows.clear()
 
 
-def named_parameters(
-    optimizer: Optimizer, index: int, names: Mapping[Tensor, str]
-) -> list[tuple[str, Tensor]]:
-    """(name, parameter) for ``optimizer``'s parameters, in group order: the names of Horovod's allreduce
-    operations. A parameter ``names`` lacks is called ``optimizer<index>.group<g>.param<j>``."""
-    return [
-        (names.get(p, f"optimizer{index}.group{g}.param{j}"), p)
-        for g, group in enumerate(optimizer.param_groups)
-        for j, p in enumerate(group["params"])
-    ]
-
-
 class ReplicaMesh:
     """The 2-D ``("replicate", "shard")`` mesh of both APIs' ``fsdp_adasum``: replica groups of ``shard_size``
     ranks, row-major (ranks 0…S−1 are group 0); FSDP2 shards over ``mesh["shard"]``."""
@@ -226,114 +207,4 @@ class ReplicaMesh:
         shape = (self.world_size // shard, shard)
         self._device_mesh = init_device_mesh(
             self.root_device.type, shape, mesh_dim_names=validation.ADASUM_MESH_DIMS
-        )
-
-
-class HorovodProcess:
-    """One process per device, started by ``horovodrun``/``mpirun``: Horovod's start, its launch rules, the
-    ``torch.distributed`` process group beside it, its optimizer wrapper and its learning-rate policy.
-
-    Mixed in before a Lightning ``DDPStrategy`` (Trainer's or Fabric's), whose process group then carries
-    Lightning's own collectives. The class sets ``strategy_name`` and ``reduction`` (Horovod's op name,
-    ``"Average"`` or ``"Adasum"``); ``__init__`` sets ``compression`` and ``gradient_predivide_factor``.
-    """
-
-    strategy_name: str
-    #: Horovod op name of the optimizer wrapper: ``"Average"`` or ``"Adasum"``.
-    reduction: str = "Average"
-    #: The Lightning API, for messages: ``"Trainer"`` or ``"Fabric"``.
-    api: str = "Trainer"
-    compression: str
-    gradient_predivide_factor: float
-    _hvd: Any = None
-    _requested_devices: int = 1
-
-    @property
-    def hvd(self) -> Any:
-        """The ``horovod.torch`` module, imported on first use (:func:`~adasum_lightning.horovod_support.
-        import_horovod` names the fix when it is missing)."""
-        if self._hvd is None:
-            self._hvd = import_horovod()
-        return self._hvd
-
-    @property
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices
-        return devices[0] if devices else torch.device("cpu")
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        # Whatever ``devices`` Lightning was given (e.g. "auto": every GPU of the node), this process drives
-        # one: cuda:<local rank>, or the CPU. The requested count is kept for the launch check.
-        if devices:
-            self._requested_devices = len(devices)
-            kind = torch.device(devices[0]).type
-            devices = [torch.device("cuda", self.local_rank)] if kind == "cuda" else [torch.device(kind)]
-        self._parallel_devices = devices
-
-    def _configure_launcher(self) -> None:
-        self._launcher = None  # horovodrun / mpirun start the processes
-
-    def setup_environment(self) -> None:
-        """``hvd.init()``, the launch rules, then the ``torch.distributed`` process group at the address and
-        port rank 0 picks and Horovod broadcasts (``MASTER_ADDR``/``MASTER_PORT`` when set).
-
-        Raises:
-            AdasumConfigurationError: on every rank, before the first collective (a bad launch can crash or
-                hang in one): a process Horovod sees alone though more were started or ``devices`` > 1, the
-                rules of :meth:`_validate_environment`, a loopback address for a job on several hosts.
-        """
-        hvd = self.hvd
-        hvd.init()
-        rank_zero_only.rank = hvd.rank()
-        with reported_on_every_rank(hvd.rank()):
-            validation.check_launch(
-                hvd.size(),
-                detect_launcher(),
-                self._requested_devices,
-                api=self.api,
-                strategy_name=self.strategy_name,
-            )
-            self._validate_environment()
-        self.num_nodes = agree_on_process_group(hvd, self.cluster_environment)
-        super().setup_environment()  # type: ignore[misc]
-
-    def _validate_environment(self) -> None:
-        """Rules on the launch, right after ``hvd.init()``; under Adasum its world rules (a warning on rank 0
-        where Horovod's Adasum works but not as the docs describe)."""
-        validation.check_cpu_operations(
-            mpi_enabled=self.hvd.mpi_enabled(),
-            cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS"),
-            strategy_name=self.strategy_name,
-        )
-        if self.reduction == "Adasum":
-            warning = check_adasum_world(self.hvd, self.root_device.type)
-            if warning:
-                rank_zero_warn(warning)
-
-    def _auto_lr_factor(self) -> float:
-        """``lr_scaling="auto"``: the world size for averaging (pytorch-lightning 1.x's Horovod strategy);
-        for Adasum 1, or ``hvd.local_size()`` on GPU with a NCCL-built Horovod, whose Adasum averages inside a
-        node (Horovod's ``docs/adasum_user_guide.rst``)."""
-        if self.reduction == "Average":
-            return float(self.world_size)
-        on_gpu = self.root_device.type == "cuda"
-        return float(self.hvd.local_size()) if on_gpu and self.hvd.nccl_built() else 1.0
-
-    def _horovod_optimizer(
-        self, optimizer: Optimizer, named: list[tuple[str, Tensor]], backward_passes_per_step: int
-    ) -> Optimizer:
-        """``optimizer`` wrapped in ``hvd.DistributedOptimizer`` with this strategy's op and compression."""
-        hvd = self.hvd
-        return hvd.DistributedOptimizer(
-            optimizer,
-            named_parameters=named,
-            compression=hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none,
-            op=getattr(hvd, self.reduction),
-            backward_passes_per_step=backward_passes_per_step,
-            gradient_predivide_factor=self.gradient_predivide_factor,
         )

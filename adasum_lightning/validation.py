@@ -1,12 +1,8 @@
 """The rules that refuse a configuration a strategy would fail late on, hang in or train wrongly with.
 
 Each rule is a pure function of plain values whose error names the strategy and the fix; the strategies call
-them on every rank, on the same values, before the first step.
-
-Sources for Horovod's rules (0.28.1): ``horovod/torch/mpi_ops.py`` (CPU Adasum: power-of-2 world size),
-``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum: homogeneous
-power-of-2 nodes), ``horovod/common/operations.cc`` (Adasum for MPI only), ``horovod/torch/optimizer.py`` (the
-local step runs in the backward hook; ``gradient_predivide_factor`` needs op=Average).
+them on every rank, on the same values, before the first step. Horovod's rules are in
+:mod:`adasum_lightning.horovod.support`.
 """
 
 from __future__ import annotations
@@ -16,23 +12,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from adasum_lightning.launchers import DetectedLauncher
-from adasum_lightning.ops import is_power_of_two, nearest_powers_of_two
-
 __all__ = [
     "AdasumConfigurationError",
-    "check_world_size",
-    "check_nccl_topology",
-    "check_controller",
-    "check_cpu_operations",
-    "check_precision",
-    "check_gradient_clipping",
-    "check_gradient_predivide_factor",
     "check_single_device",
     "check_module_unwrapped",
-    "check_launch",
-    "check_closure_optimizers",
-    "check_horovod_dtypes",
     "check_sync_batchnorm",
     "check_launcher_world_size",
     "ADASUM_MESH_DIMS",
@@ -46,18 +29,14 @@ __all__ = [
     "check_state_dict_type",
     "check_sharded_save_filter",
     "check_uneven_inputs",
-    "check_skipped_backward_passes",
     "check_overlap_backward",
-    "check_compression",
     "WIRE_DTYPES",
     "check_wire_compression",
     "check_sync_every",
-    "check_no_local_sgd",
     "check_outer_optimizer_form",
     "check_outer_optimizer",
     "local_sgd_without_outer_message",
     "overlap_fallback_reason",
-    "clipping_refused",
     "unreadable_checkpoint",
     "identical_gradients_message",
     "scaled_learning_rate_message",
@@ -69,159 +48,6 @@ class AdasumConfigurationError(ValueError):
 
     A ``ValueError``, not Lightning's ``MisconfigurationException``: one class under either Lightning package.
     """
-
-
-def _sizes(n: int) -> str:
-    return " or ".join(str(v) for v in nearest_powers_of_two(n))
-
-
-def check_world_size(size: int) -> None:
-    """CPU (MPI) Adasum needs a power-of-2 world size; Horovod would fail in the first step otherwise.
-
-    Raises:
-        AdasumConfigurationError: naming the nearest valid sizes.
-    """
-    if not is_power_of_two(size):
-        raise AdasumConfigurationError(
-            f"horovod_adasum needs a world size that is a power of 2 (1, 2, 4, 8, …) for Adasum over MPI; "
-            f"this job has {size} processes. Launch {_sizes(size)} processes (horovodrun -np N), or use "
-            f"strategy='horovod' (gradient averaging), which takes any size."
-        )
-
-
-def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
-    """NCCL GPU Adasum needs a power-of-2 node count and GPUs per node, the same on every node.
-
-    Args:
-        size: world size (processes in the job).
-        local_sizes: every rank's ``hvd.local_size()``, in rank order.
-
-    Returns:
-        A warning text for a single node (Adasum then averages inside the node), else None.
-
-    Raises:
-        AdasumConfigurationError: heterogeneous nodes, or a node count or local size not a power of 2.
-    """
-    distinct = sorted(set(local_sizes))
-    if len(distinct) != 1:
-        raise AdasumConfigurationError(
-            f"horovod_adasum with NCCL needs the same number of processes on every node; found {distinct} "
-            "processes per node. Launch one process per GPU with the same GPU count on every node "
-            "(e.g. horovodrun -H host1:4,host2:4)."
-        )
-    local = distinct[0]
-    if not is_power_of_two(local):
-        raise AdasumConfigurationError(
-            f"horovod_adasum with NCCL needs a power-of-2 number of processes per node; found {local}. "
-            f"Use {_sizes(local)} GPUs per node (Horovod issue #3400: 3 of 4 GPUs fails)."
-        )
-    nodes = size // local
-    if not is_power_of_two(nodes):
-        raise AdasumConfigurationError(
-            f"horovod_adasum with NCCL needs a power-of-2 number of nodes; found {nodes} nodes of {local} "
-            f"processes. Use {_sizes(nodes)} nodes."
-        )
-    if nodes == 1 and local > 1:
-        return (
-            f"horovod_adasum with NCCL on a single node: Horovod averages inside a node and applies Adasum "
-            f"only across nodes, so this job averages its {local} GPUs' updates; the learning rate is "
-            f"multiplied by {local} (GPUs per node), as for averaging."
-        )
-    return None
-
-
-def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) -> None:
-    """Adasum exists for Horovod's MPI controller only.
-
-    Args:
-        mpi_built, mpi_enabled, gloo_enabled: ``hvd.mpi_built()``, ``hvd.mpi_enabled()``,
-            ``hvd.gloo_enabled()``.
-
-    Raises:
-        AdasumConfigurationError: Horovod without MPI, or the Gloo controller (``horovodrun --gloo``).
-    """
-    if not mpi_built:
-        raise AdasumConfigurationError(
-            "horovod_adasum needs Horovod built with MPI (Adasum exists only for the MPI controller); this "
-            "Horovod has no MPI support. Rebuild it with `make setup` (HOROVOD_WITH_MPI=1), or use "
-            "strategy='horovod' (averaging works with Gloo)."
-        )
-    if gloo_enabled or not mpi_enabled:
-        raise AdasumConfigurationError(
-            "horovod_adasum needs the MPI controller, but this job runs under Gloo (horovodrun --gloo), "
-            "where Horovod has no Adasum operation. Launch with `horovodrun --mpi -np N ...` or "
-            "`mpirun -np N ...`, or use strategy='horovod' (averaging works with Gloo)."
-        )
-
-
-def check_cpu_operations(
-    *, mpi_enabled: bool, cpu_operations: str | None, strategy_name: str = "a Horovod strategy"
-) -> None:
-    """Gloo CPU operations under the MPI controller crash Horovod (a segfault in a collective).
-
-    Args:
-        mpi_enabled: ``hvd.mpi_enabled()``.
-        cpu_operations: the ``HOROVOD_CPU_OPERATIONS`` environment variable (None when unset).
-        strategy_name: the strategy's registered name, for the message.
-
-    Raises:
-        AdasumConfigurationError: MPI controller with ``HOROVOD_CPU_OPERATIONS=gloo``.
-    """
-    if mpi_enabled and cpu_operations is not None and cpu_operations.strip().lower() == "gloo":
-        raise AdasumConfigurationError(
-            f"{strategy_name} cannot run with HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (mpirun / "
-            "horovodrun --mpi): Horovod's "
-            "Gloo collectives crash there (segmentation fault). Unset HOROVOD_CPU_OPERATIONS (or set it to "
-            "mpi), or launch with horovodrun --gloo and strategy='horovod'."
-        )
-
-
-def check_precision(precision: str) -> None:
-    """fp16 mixed precision (GradScaler) cannot work with Horovod's Adasum; ``"bf16-mixed"`` works.
-
-    The scaler unscales and skips steps after backward, but the local step already ran inside backward on the
-    scaled gradients: NaN loss (https://github.com/horovod/horovod/issues/3429).
-
-    Raises:
-        AdasumConfigurationError: for ``"16-mixed"`` (Lightning's name for ``precision=16``).
-    """
-    if str(precision) in ("16-mixed", "16"):
-        raise AdasumConfigurationError(
-            "horovod_adasum cannot use precision='16-mixed': its gradient scaler unscales gradients and "
-            "skips overflowing steps after backward, but Adasum's local step already ran inside backward "
-            "on the scaled gradients (NaN loss, Horovod #3429). Use precision='bf16-mixed', or "
-            "strategy='horovod'."
-        )
-
-
-def check_gradient_clipping(value: float | None, algorithm: str | None) -> None:
-    """Norm clipping cannot take effect with Horovod's Adasum; value clipping is applied inside the hook.
-
-    The norm needs every gradient before any update; Adasum updates each parameter as its gradient is ready.
-
-    Raises:
-        AdasumConfigurationError: ``gradient_clip_val`` set with ``gradient_clip_algorithm="norm"``.
-    """
-    if value is None or float(value) <= 0:
-        return
-    if str(algorithm or "norm").lower() == "norm":
-        raise AdasumConfigurationError(
-            f"horovod_adasum cannot clip gradients by norm (gradient_clip_val={value}): Adasum's local step "
-            "updates each parameter inside backward, before the norm over all parameters is known. Use "
-            "gradient_clip_algorithm='value' (applied to each gradient before its local step), or "
-            "strategy='horovod'."
-        )
-
-
-def check_compression(compression: str) -> str:
-    """``compression`` of a Horovod strategy: ``"none"`` or ``"fp16"`` (Horovod's ``Compression.fp16``).
-
-    Raises:
-        ValueError: any other value.
-    """
-    if compression not in ("none", "fp16"):
-        raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
-    return compression
 
 
 #: ``compression`` of ``ddp_adasum``, ``fsdp_adasum`` and ``AdasumOptimizer``: the dtype of every sent piece.
@@ -240,20 +66,6 @@ def check_wire_compression(compression: object, owner: str) -> torch.dtype | Non
             f"rounded to bfloat16 or float16), got {compression!r}"
         )
     return None if compression is None else WIRE_DTYPES[compression]
-
-
-def check_gradient_predivide_factor(factor: float) -> None:
-    """``gradient_predivide_factor`` splits an *average*; Adasum has none.
-
-    Raises:
-        AdasumConfigurationError: for any factor other than 1.
-    """
-    if float(factor) != 1.0:
-        raise AdasumConfigurationError(
-            f"horovod_adasum cannot use gradient_predivide_factor={factor}: it splits gradient averaging and "
-            "Adasum does not average (Horovod raises deep inside otherwise). Leave it at 1, or use "
-            "strategy='horovod'."
-        )
 
 
 def check_single_device(strategy_name: str, tensors: Iterable[torch.Tensor]) -> None:
@@ -283,90 +95,6 @@ def check_module_unwrapped(strategy_name: str, wrapped_in_ddp: bool) -> None:
             f"{strategy_name} was given a module wrapped in DistributedDataParallel: its gradients would be "
             "averaged in backward before Adasum combines the updates. Pass the module itself "
             "(fabric.setup(model, optimizer) with the plain nn.Module)."
-        )
-
-
-def check_launch(
-    horovod_size: int,
-    launcher: DetectedLauncher | None,
-    requested_devices: int,
-    api: str = "Trainer",
-    strategy_name: str = "a Horovod strategy",
-) -> None:
-    """A Horovod strategy in a process that Horovod sees alone, though more were meant to train together.
-
-    Under ``torchrun``, ``srun`` or plain ``python`` each process is a Horovod world of 1 and trains alone.
-
-    Args:
-        horovod_size: ``hvd.size()``.
-        launcher: :func:`adasum_lightning.launchers.detect_launcher` (None for a plain start).
-        requested_devices: the ``devices`` the ``Trainer`` (or ``Fabric``) was given.
-        api: ``"Trainer"`` or ``"Fabric"``, in the message.
-        strategy_name: the strategy's registered name, for the message.
-
-    Raises:
-        AdasumConfigurationError: a world of 1 while the launcher started N > 1 processes or ``devices`` asks
-            for N > 1; the message names the launcher seen and ``horovodrun -np N``.
-    """
-    if horovod_size != 1:
-        return
-    if launcher is not None and launcher.processes > 1:
-        raise AdasumConfigurationError(
-            f"{launcher.name} started {launcher.processes} processes "
-            f"({launcher.variable}={launcher.processes}), but Horovod sees a world of 1 in each, so each "
-            f"would train alone. {strategy_name} needs an MPI "
-            f"launcher: `horovodrun -np {launcher.processes} python SCRIPT ...` (or `mpirun -np "
-            f"{launcher.processes} ...`), or use strategy='ddp_adasum', which {launcher.name} can start."
-        )
-    if requested_devices > 1:
-        seen = "no launcher (a plain `python` start)" if launcher is None else launcher.name
-        raise AdasumConfigurationError(
-            f"{api}(devices={requested_devices}) asks for {requested_devices} devices, but this process "
-            "was "
-            f"started by {seen} and Horovod sees a world of 1; {strategy_name} never starts processes "
-            f"themselves. Launch `horovodrun -np {requested_devices} python SCRIPT ...` with devices=1 (one "
-            "process per device), or use strategy='ddp_adasum', which starts the processes itself."
-        )
-
-
-def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Sequence[str]) -> None:
-    """Horovod's Adasum cannot run an optimizer whose ``step`` requires a closure (e.g. ``LBFGS``).
-
-    Its optimizer runs the wrapped ``step()`` inside each parameter's backward hook, without a closure.
-
-    Args:
-        strategy_name: the strategy's registered name, for the message.
-        optimizers_needing_closure: class names of the optimizers whose ``step`` has a required ``closure``.
-
-    Raises:
-        AdasumConfigurationError: naming those optimizers and the strategies that can run them.
-    """
-    if optimizers_needing_closure:
-        names = ", ".join(sorted(set(optimizers_needing_closure)))
-        raise AdasumConfigurationError(
-            f"{strategy_name} cannot use {names}: its step() needs a closure (it re-evaluates the loss), but "
-            "Horovod's Adasum optimizer runs the local step inside backward, without one. Use "
-            "strategy='ddp_adasum' (the local step runs after the closure, then the deltas are combined) or "
-            "strategy='horovod' (averaging)."
-        )
-
-
-def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[torch.dtype]) -> None:
-    """Horovod 0.28.1's CPU collectives have no bfloat16: bfloat16 parameters cannot be reduced on CPU.
-
-    Args:
-        strategy_name: the strategy's registered name, for the message.
-        device_type: the parameters' device (``"cpu"``, ``"cuda"``); GPUs are not checked.
-        dtypes: the dtypes of the parameters that require a gradient.
-
-    Raises:
-        AdasumConfigurationError: a bfloat16 parameter on CPU (``precision="bf16-true"`` or a bfloat16 model).
-    """
-    if device_type == "cpu" and torch.bfloat16 in set(dtypes):
-        raise AdasumConfigurationError(
-            f"{strategy_name} cannot reduce bfloat16 parameters on CPU (precision='bf16-true' or a bfloat16 "
-            "model): Horovod 0.28.1's CPU collectives have no bfloat16 type. Use precision='bf16-mixed' "
-            "(float32 weights, bfloat16 compute), or strategy='ddp_adasum', which reduces bfloat16."
         )
 
 
@@ -445,48 +173,6 @@ def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:
             f"batch count) or 'error' (refuse uneven batch counts), got {value!r}"
         )
     return value
-
-
-def check_skipped_backward_passes(
-    strategy_name: str, strategy_class: str, skipped: int, backward_passes_per_step: int
-) -> None:
-    """``fabric.no_backward_sync`` may skip at most ``backward_passes_per_step`` − 1 passes before a step.
-
-    Horovod's hooks cannot be paused: they reduce at the ``backward_passes_per_step``-th pass since a step.
-
-    Raises:
-        AdasumConfigurationError: ``skipped`` ≥ ``backward_passes_per_step``; the message names the setting.
-    """
-    if skipped < backward_passes_per_step:
-        return
-    passes = "pass" if skipped == 1 else "passes"
-    raise AdasumConfigurationError(
-        f"{strategy_name} cannot skip the gradient reduction of {skipped} backward {passes} before "
-        "optimizer.step() (fabric.no_backward_sync(model, enabled=True)): Horovod's hooks cannot be paused, "
-        f"they reduce as soon as backward_passes_per_step={backward_passes_per_step} backward pass(es) have "
-        "run since the last step. Give the strategy the number of backward passes per optimizer step, e.g. "
-        f"Fabric(strategy={strategy_class}(backward_passes_per_step={skipped + 1})); a shorter window is "
-        "reduced at optimizer.step()."
-    )
-
-
-def clipping_refused(strategy_name: str, algorithm: str, value: float) -> AdasumConfigurationError:
-    """The error for ``fabric.clip_gradients`` under Horovod's Adasum, whose local step ran inside backward.
-
-    Args:
-        algorithm: ``"norm"`` for ``max_norm``, ``"value"`` for ``clip_val``.
-    """
-    if algorithm == "norm":
-        what = f"clip gradients by norm (fabric.clip_gradients(max_norm={value}))"
-        why = "before the norm over all parameters is known"
-    else:
-        what = f"clip gradients by value (fabric.clip_gradients(clip_val={value}))"
-        why = "so clipping afterwards would change nothing"
-    return AdasumConfigurationError(
-        f"{strategy_name} cannot {what}: Horovod's Adasum optimizer takes each parameter's local step "
-        f"inside fabric.backward, {why}. Use Fabric(strategy='ddp_adasum') (its local step runs in "
-        "optimizer.step(), after clipping), or strategy='horovod'."
-    )
 
 
 def identical_gradients_message(owner: str) -> str:
@@ -568,21 +254,6 @@ def overlap_fallback_reason(
         hooks = ", ".join(before_step_hooks)
         return f"{hooks} run between backward and the step (they may change gradients or read parameters)"
     return None
-
-
-def check_no_local_sgd(options: Iterable[str], strategy_name: str) -> None:
-    """The Horovod strategies take none of ``sync_every``, ``combine``, ``outer_optimizer``.
-
-    Raises:
-        AdasumConfigurationError: naming the options given and ``ddp_adasum``, which has them.
-    """
-    given = sorted(set(options) & {"sync_every", "combine", "outer_optimizer"})
-    if given:
-        raise AdasumConfigurationError(
-            f"{strategy_name} has no {', '.join(given)}: Horovod's optimizer reduces inside every backward "
-            "pass. Local SGD / DiLoCo is ddp_adasum's: DDPAdasumStrategy(sync_every=..., combine=..., "
-            "outer_optimizer=...), launched by Lightning, torchrun or SLURM."
-        )
 
 
 def check_sync_every(

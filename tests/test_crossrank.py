@@ -18,11 +18,13 @@ import pytest
 import torch
 import torchmetrics
 
-from adasum_lightning.launchers import DetectedLauncher
-from adasum_lightning.validation import (
+from adasum_lightning.horovod.support import (
     check_closure_optimizers,
     check_horovod_dtypes,
     check_launch,
+)
+from adasum_lightning.launchers import DetectedLauncher
+from adasum_lightning.validation import (
     check_sync_batchnorm,
 )
 from tests.cases import Launch, assert_refused_on_every_rank, case

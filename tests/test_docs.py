@@ -40,7 +40,7 @@ HELPER_MODULES = ["tests/helpers.py", "tests/twohosts.py", "tests/aml_support.py
 #: Programs whose key may also appear as the helper or the module that runs them.
 ALIASES = {
     "horovodrun": ("horovodrun", "run_horovod"),
-    "adasum-horovodrun": ("adasum-horovodrun", "adasum_lightning.horovodrun", "horovodrun.main"),
+    "adasum-horovodrun": ("adasum-horovodrun", "adasum_lightning.horovod.horovodrun", "horovodrun.main"),
     "adasum-aml": ("adasum-aml", "adasum_lightning.aml.cli", "cli.main"),
     "torchrun": ("torchrun", "run_torchrun"),
     "python": ("python", "sys.executable", "run_job", "run_lightning"),

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adasum_lightning.validation import (
+from adasum_lightning.horovod.support import (
     check_closure_optimizers,
     check_controller,
     check_cpu_operations,
@@ -77,9 +77,9 @@ def test_horovod_adasum_one_step_is_the_adasum_of_the_local_deltas(two_ranks, pa
     _, ranks, _ = two_ranks
     scenario = f"adasum/{package}/{by}"
     records = [res[scenario] for res in ranks]
-    copy = "adasum_lightning.fabric" if package == "lightning_fabric" else "adasum_lightning.lightning.fabric"
+    copy = "adasum_lightning" if package == "lightning_fabric" else "adasum_lightning.lightning"
     for res in records:
-        assert res["strategy"] == f"{copy}.horovod.HorovodAdasumStrategy"
+        assert res["strategy"] == f"{copy}.horovod.fabric.HorovodAdasumStrategy"
         assert f"{package}.strategies.ddp.DDPStrategy" in res["base"]
         assert res["world_size"] == 2 and res["lr"] == pytest.approx(LR)  # no learning-rate scaling
         assert res["all_gather"] == [1.0, 2.0] and res["all_reduce_sum"] == 3.0
@@ -129,7 +129,7 @@ def test_horovod_averages_the_gradients_with_the_learning_rate_times_the_world_s
     _, ranks, _ = two_ranks
     records = [res["horovod"] for res in ranks]
     assert all(res["lr"] == pytest.approx(2 * LR) for res in records)
-    assert all(res["strategy"].endswith("fabric.horovod.HorovodStrategy") for res in records)
+    assert all(res["strategy"].endswith("horovod.fabric.HorovodStrategy") for res in records)
     assert_identical(ranks, "horovod")
     start = records[0]["start"]
     deltas = [local_delta(start, res["batches"], lr=2 * LR) for res in records]

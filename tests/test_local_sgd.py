@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 
 from adasum_lightning import AdasumOptimizer
+from adasum_lightning.horovod.support import (
+    check_no_local_sgd,
+)
 from adasum_lightning.local_sgd import PeriodicSync
 from adasum_lightning.validation import (
     AdasumConfigurationError,
-    check_no_local_sgd,
     check_outer_optimizer,
     check_outer_optimizer_form,
     check_sync_every,

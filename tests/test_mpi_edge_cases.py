@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from adasum_lightning.ops import adasum
-from adasum_lightning.validation import (
+from adasum_lightning.horovod.support import (
     check_controller,
     check_cpu_operations,
     check_gradient_clipping,
     check_world_size,
 )
+from adasum_lightning.ops import adasum
 from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import (
     assert_every_rank_says,

@@ -23,7 +23,7 @@ from adasum_lightning.aml.errors import AmlUsageError
 from adasum_lightning.aml.job import AML_PYTORCH_VARIABLES, AmlJob, check_process_count
 from adasum_lightning.aml.project import bind_placeholders
 from adasum_lightning.aml.staging import stage_code
-from adasum_lightning.horovod_support import missing_horovod_message
+from adasum_lightning.horovod.support import missing_horovod_message
 
 #: Variables of other launchers, removed from a ``ddp_adasum`` local run so that Lightning sees only what an
 #: Azure ML PyTorch job sets (``TORCHELASTIC_RUN_ID`` would select ``TorchElasticEnvironment``, and so on).

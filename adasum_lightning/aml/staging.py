@@ -23,7 +23,7 @@ from pathlib import Path
 from adasum_lightning.aml.errors import AmlUsageError
 from adasum_lightning.aml.job import TRAINING_SCRIPT, AmlJob
 from adasum_lightning.aml.project import copy_snapshot
-from adasum_lightning.horovod_support import HOROVOD_BUILD_PACKAGE
+from adasum_lightning.horovod.support import HOROVOD_BUILD_PACKAGE
 
 #: GPU compute capabilities Horovod's CUDA kernels are built for (T4, A100, A10/A40, L4, H100).
 CUDA_CC_LIST = "75,80,86,89,90"

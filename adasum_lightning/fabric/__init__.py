@@ -8,12 +8,12 @@ same files with that name renamed.
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_fabric.strategies import STRATEGY_REGISTRY
 
 from .ddp_adasum import DDPAdasumStrategy
-from .environment import HorovodEnvironment
 from .fsdp_adasum import FSDPAdasumStrategy
-from .horovod import HorovodAdasumStrategy, HorovodStrategy
 
 __all__ = [
     "DDPAdasumStrategy",
@@ -25,5 +25,14 @@ __all__ = [
 
 # Registered by name with the strategy registry on import: Fabric(strategy="ddp_adasum"),
 # Fabric(strategy="fsdp_adasum").
-for _strategy in (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy, FSDPAdasumStrategy):
+for _strategy in (DDPAdasumStrategy, FSDPAdasumStrategy):
     _strategy.register_strategies(STRATEGY_REGISTRY)
+
+# Registers the Horovod strategies; last and as a module: importing that module first imports this package.
+import adasum_lightning.horovod.fabric as _horovod  # noqa: E402
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"):
+        return getattr(_horovod, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

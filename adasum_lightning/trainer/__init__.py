@@ -7,13 +7,12 @@ its copy for the unified package is the same files with those two names renamed.
 
 from __future__ import annotations
 
-from pytorch_lightning.strategies import StrategyRegistry
+from typing import Any
 
-from adasum_lightning.fabric.environment import HorovodEnvironment
+from pytorch_lightning.strategies import StrategyRegistry
 
 from .ddp_adasum import DDPAdasumStrategy
 from .fsdp_adasum import FSDPAdasumStrategy
-from .horovod import HorovodAdasumStrategy, HorovodStrategy
 
 __all__ = [
     "DDPAdasumStrategy",
@@ -24,5 +23,14 @@ __all__ = [
 ]
 
 # Registered by name with the StrategyRegistry on import: Trainer(strategy="ddp_adasum").
-for _strategy in (HorovodAdasumStrategy, HorovodStrategy, DDPAdasumStrategy, FSDPAdasumStrategy):
+for _strategy in (DDPAdasumStrategy, FSDPAdasumStrategy):
     _strategy.register_strategies(StrategyRegistry)
+
+# Registers the Horovod strategies; last and as a module: importing that module first imports this package.
+import adasum_lightning.horovod.trainer as _horovod  # noqa: E402
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"):
+        return getattr(_horovod, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

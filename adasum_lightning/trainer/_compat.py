@@ -1,8 +1,9 @@
-"""Every private Horovod, Lightning and torch API the Trainer strategies use, in one place.
+"""Every private Lightning and torch API the Trainer strategies use, in one place (Horovod's:
+:mod:`adasum_lightning.horovod._compat`).
 
 Each entry names where it was read; :func:`adasum_lightning._private_apis.missing` checks that the installed
 versions still have them (``tests/test_compat.py``). Read from pytorch-lightning 2.4.0 and 2.6.6 (lightning
-2.6.6 the same), Horovod 0.28.1, torch 2.14.1.
+2.6.6 the same), torch 2.14.1.
 """
 
 from __future__ import annotations
@@ -22,16 +23,11 @@ __all__ = [
     "configure_optimizers",
     "configure_schedulers",
     "sync_module_states",
-    "lightning_optimizers",
     "unwrap_lightning_optimizer",
     "layer_sync",
     "process_group_timeout",
     "has_sigterm_agreement",
     "run_closure",
-    "is_horovod_adasum_optimizer",
-    "horovod_completes_window",
-    "horovod_requires_update",
-    "release_horovod_hooks",
     "mark_step_for_schedulers",
 ]
 
@@ -51,7 +47,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "pytorch_lightning.strategies.strategy",
         "Strategy",
         "pytorch-lightning 2.4.0, 2.6.6",
-        attributes=("self._lightning_optimizers", "self._optimizers", "self._launcher"),
+        attributes=("self._launcher",),
     ),
     # fsdp_adasum: the steps through the FSDP2 root module's forward (as DDPStrategy's through its wrapper),
     # and the mesh a LightningModule's configure_model() reads (as ModelParallelStrategy sets it).
@@ -101,17 +97,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         optional=True,
     ),
     PrivateApi(
-        "horovod.torch.optimizer",
-        "_DistributedAdasumOptimizer",
-        "Horovod 0.28.1",
-        attributes=(
-            "self._starting_models",
-            "self._allreduce_delay",
-            "self._requires_update",
-            "self._grad_accs",
-        ),
-    ),
-    PrivateApi(
         "torch.optim.lr_scheduler",
         "LRScheduler",
         "torch 2.14.1",
@@ -127,11 +112,6 @@ configure_optimizers: Callable[[Any], tuple[list, list, Any]] = _configure_optim
 configure_schedulers: Callable[[list, Any], list] = _configure_schedulers_automatic_opt
 #: Broadcast a module's parameters and buffers from rank 0 over the default group (any dtype, any layout).
 sync_module_states: Callable[[Any], None] = _sync_module_states
-
-
-def lightning_optimizers(strategy: Any) -> list[Any]:
-    """The ``LightningOptimizer`` wrappers a strategy keeps next to ``strategy.optimizers``."""
-    return list(strategy._lightning_optimizers)
 
 
 def layer_sync(strategy: Any) -> Any:
@@ -163,32 +143,6 @@ def has_sigterm_agreement() -> bool:
     from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 
     return hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
-
-
-# ---------------------------------------------------------------------------------------------- Horovod
-def is_horovod_adasum_optimizer(optimizer: Optimizer) -> bool:
-    """True for Horovod's ``_DistributedAdasumOptimizer`` (a class Horovod builds at run time)."""
-    return "_starting_models" in vars(optimizer)
-
-
-def horovod_requires_update(optimizer: Optimizer) -> list[Any]:
-    """The parameters Horovod's Adasum optimizer reduces (those with ``requires_grad``)."""
-    return list(optimizer._requires_update)
-
-
-def horovod_completes_window(optimizer: Optimizer, param: Any) -> bool:
-    """True when this backward pass ends ``param``'s accumulation window in Horovod's Adasum optimizer.
-
-    Its hook counts ``_allreduce_delay`` down to 0, then runs the local step at once.
-    """
-    return optimizer._allreduce_delay.get(param) == 1
-
-
-def release_horovod_hooks(optimizer: Optimizer) -> None:
-    """Drop the references that keep Horovod's backward hooks alive, so that a later ``fit`` wraps afresh."""
-    grad_accs = getattr(optimizer, "_grad_accs", None)
-    if isinstance(grad_accs, list):
-        grad_accs.clear()
 
 
 # ---------------------------------------------------------------------------------------------- torch

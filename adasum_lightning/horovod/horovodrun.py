@@ -28,7 +28,7 @@ def find_horovodrun() -> str:
 
     Raises:
         FileNotFoundError: naming the build command and ``ddp_adasum``
-            (:func:`adasum_lightning.horovod_support.missing_horovod_message`).
+            (:func:`adasum_lightning.horovod.support.missing_horovod_message`).
     """
     beside = Path(sys.executable).with_name("horovodrun")
     if beside.exists():
@@ -36,7 +36,7 @@ def find_horovodrun() -> str:
     found = shutil.which("horovodrun")
     if found:
         return found
-    from adasum_lightning.horovod_support import missing_horovod_message
+    from adasum_lightning.horovod.support import missing_horovod_message
 
     raise FileNotFoundError(missing_horovod_message("horovodrun (Horovod's launcher)"))
 

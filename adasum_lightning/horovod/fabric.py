@@ -1,8 +1,12 @@
 """``Fabric(strategy="horovod_adasum")`` and ``Fabric(strategy="horovod")``: Horovod's optimizer in Fabric,
-the counterparts of :mod:`adasum_lightning.trainer.horovod`."""
+the counterparts of :mod:`adasum_lightning.horovod.trainer`; and the cluster environment of both APIs'
+Horovod strategies, :class:`HorovodEnvironment`. Importing it registers the strategies; its copy for
+``lightning.fabric`` is this file with the package names renamed (:mod:`adasum_lightning._namespaces`).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -11,7 +15,9 @@ from typing import Any
 import torch
 from lightning_fabric.accelerators import Accelerator
 from lightning_fabric.plugins import CheckpointIO, Precision
-from lightning_fabric.strategies import DDPStrategy
+from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from lightning_fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning_fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -19,23 +25,115 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from adasum_lightning import validation
-from adasum_lightning._strategy_parts import (
-    HorovodProcess,
-    named_parameters,
-    prepare_unwrapped_module,
-    register,
-    sampler_seed,
+from adasum_lightning._strategy_parts import prepare_unwrapped_module, register, sampler_seed
+from adasum_lightning.fabric._compat import BackwardSyncControl
+from adasum_lightning.horovod import support
+from adasum_lightning.horovod.process import HorovodProcess
+from adasum_lightning.launchers import (
+    detect_launcher,
+    launcher_local_rank,
+    launcher_local_size,
+    launcher_rank,
+    launcher_world_size,
 )
-from adasum_lightning.horovod_support import needs_closure
-from adasum_lightning.launchers import launcher_rank
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.reporting import reported_on_every_rank
 
-from . import _compat
-from .environment import HorovodEnvironment
+__all__ = ["HorovodEnvironment", "HorovodStrategy", "HorovodAdasumStrategy"]
 
-__all__ = ["HorovodStrategy", "HorovodAdasumStrategy"]
+
+def _from_horovod(name: str, before_init: Callable[[], int]) -> int:
+    """``hvd.<name>()`` once Horovod is initialised, else ``before_init()`` (the launcher's variables)."""
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return before_init()
+    return getattr(hvd, name)() if hvd.is_initialized() else before_init()
+
+
+class HorovodEnvironment(ClusterEnvironment):
+    """Ranks and sizes from Horovod once it is initialised, from the launcher's variables before.
+
+    The launcher (``horovodrun``, ``mpirun``, Azure ML) creates the processes. Reading a rank never
+    initialises Horovod: the strategy calls ``hvd.init()`` when fitting starts (``fabric.launch()`` under
+    Fabric). :attr:`main_address` and :attr:`main_port` are where the ``torch.distributed`` group beside
+    Horovod meets, set by the strategy after ``hvd.init()``; before, ``MASTER_ADDR``/``MASTER_PORT`` or
+    ``127.0.0.1`` and 0.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._main_address: str | None = None
+        self._main_port: int | None = None
+        self._node_rank: int | None = None
+
+    @property
+    @override
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    @override
+    def main_address(self) -> str:
+        return self._main_address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    @override
+    def main_port(self) -> int:
+        return self._main_port if self._main_port is not None else int(os.environ.get("MASTER_PORT", 0))
+
+    @staticmethod
+    def free_port() -> int:
+        """A free TCP port on this host for rank 0's store: Lightning's ``find_free_network_port``."""
+        return find_free_network_port()
+
+    def set_main_address_and_port(self, address: str, port: int) -> None:
+        """Where rank 0 hosts the process group's TCP store (set by the strategy after ``hvd.init()``)."""
+        self._main_address, self._main_port = address, int(port)
+
+    @staticmethod
+    @override
+    def detect() -> bool:
+        launcher = detect_launcher()
+        return launcher is not None and launcher.horovod
+
+    @override
+    def world_size(self) -> int:
+        return _from_horovod("size", launcher_world_size)
+
+    @override
+    def set_world_size(self, size: int) -> None:
+        pass  # fixed by the launcher
+
+    @override
+    def global_rank(self) -> int:
+        return _from_horovod("rank", launcher_rank)
+
+    @override
+    def set_global_rank(self, rank: int) -> None:
+        pass  # fixed by the launcher
+
+    @override
+    def local_rank(self) -> int:
+        return _from_horovod("local_rank", launcher_local_rank)
+
+    def local_world_size(self) -> int:
+        """Processes on this node (Horovod's local size)."""
+        return _from_horovod("local_size", launcher_local_size)
+
+    @override
+    def node_rank(self) -> int:
+        """The index of this process's host among the job's hosts, in the order of their lowest rank.
+
+        Set by the strategy after ``hvd.init()`` (Horovod's ``cross_rank`` is not a node rank when hosts run
+        different numbers of processes); before that, rank ÷ processes per node.
+        """
+        if self._node_rank is not None:
+            return self._node_rank
+        return self.global_rank() // max(1, self.local_world_size())
+
+    def set_node_rank(self, node_rank: int) -> None:
+        self._node_rank = int(node_rank)
 
 
 class HorovodStrategy(HorovodProcess, DDPStrategy):
@@ -47,7 +145,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
     a closure optimizer (LBFGS) gets each evaluation's gradients and loss averaged. Fabric has no hook that
     scales the learning rate, so ``setup_optimizer`` does (``lr_scaling``): build schedulers after
     ``fabric.setup``. Horovod's hooks cannot be paused: ``fabric.no_backward_sync`` counts the skipped passes
-    against ``backward_passes_per_step``. Launch and process group: :class:`~adasum_lightning._strategy_parts.
+    against ``backward_passes_per_step``. Launch and process group: :class:`~adasum_lightning.horovod.process.
     HorovodProcess`.
 
     Args:
@@ -55,8 +153,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         process_group_backend, timeout: of the ``torch.distributed`` process group beside Horovod.
         lr_scaling: ``"auto"`` (× world size here), ``"none"`` or a positive factor.
         backward_passes_per_step: backward passes per optimizer step (gradient accumulation), Horovod's.
-        compression: ``"none"`` or ``"fp16"`` (float16 on the wire only).
-        gradient_predivide_factor: Horovod's averaging split; 1 for Adasum.
+        compression, gradient_predivide_factor: Horovod's (see :class:`~.process.HorovodProcess`).
 
     Raises:
         ValueError: an invalid ``lr_scaling``, ``backward_passes_per_step`` or ``compression``.
@@ -96,8 +193,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {passes!r}")
         self.backward_passes_per_step = backward_passes_per_step
-        self.compression = validation.check_compression(compression)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self._set_options(compression, gradient_predivide_factor)
         #: The learning-rate factor applied to the last optimizer set up (None before).
         self.lr_factor: float | None = None
         self._parameter_names: dict[Tensor, str] = {}
@@ -122,12 +218,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
 
         The parameters' names become the names of their allreduce operations.
         """
-        with reported_on_every_rank(self.global_rank):
-            validation.check_horovod_dtypes(
-                self.strategy_name,
-                self.root_device.type,
-                {p.dtype for p in module.parameters() if p.requires_grad},
-            )
+        self._check_module(module)
         prepare_unwrapped_module(self, module)
         prefix = f"module{self._modules_set_up}." if self._modules_set_up else ""
         for name, param in module.named_parameters():
@@ -142,13 +233,12 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         Horovod's optimizer starts with an empty state: set up an optimizer before loading its state
         (``fabric.load``).
         """
-        with reported_on_every_rank(self.global_rank):
-            self._validate_optimizer(optimizer)
+        self._check_optimizers([optimizer])
         index = self._optimizers_set_up
         self._optimizers_set_up += 1
-        named = named_parameters(optimizer, index, self._parameter_names)
-        wrapped = self._horovod_optimizer(optimizer, named, self.backward_passes_per_step)
-        _compat.route_horovod_methods_to(wrapped)
+        wrapped = self._horovod_optimizer(
+            optimizer, index, self._parameter_names, self.backward_passes_per_step
+        )
         self.lr_factor = self.lr_scale_factor()
         scale_learning_rates([wrapped], [], self.lr_factor)
         rank_zero_info(
@@ -156,9 +246,6 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
             f"learning-rate factor {self.lr_factor:g} (lr_scaling={self.lr_scaling!r})"
         )
         return wrapped
-
-    def _validate_optimizer(self, optimizer: Optimizer) -> None:
-        """Rules on an optimizer, checked before it is wrapped."""
 
     def lr_scale_factor(self) -> float:
         """The factor ``setup_optimizer`` applies to the learning rates (see ``lr_scaling``)."""
@@ -196,7 +283,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
                 return super().optimizer_step(optimizer, **kwargs)
             closure = kwargs.get("closure")
             if closure is not None:
-                kwargs["closure"] = self._closure_then_synchronize(optimizer, closure)
+                kwargs["closure"] = self._closure_then_synchronize(optimizer, closure, True, self.all_reduce)
             else:
                 self._synchronize(optimizer)
             with optimizer.skip_synchronize():
@@ -211,23 +298,11 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
             optimizer.synchronize()
             self._synchronized.add(id(optimizer))
 
-    def _closure_then_synchronize(
-        self, optimizer: Optimizer, closure: Callable[[], Any]
-    ) -> Callable[[], Any]:
-        def evaluate() -> Any:
-            result = closure()
-            optimizer.synchronize()
-            if isinstance(result, Tensor):
-                result = self.all_reduce(result.detach().clone(), reduce_op="mean")
-            return result
-
-        return evaluate
-
     def _skip_backward_pass(self) -> None:
         """Count one backward pass under ``fabric.no_backward_sync``; refuse one that Horovod would reduce."""
         self._skipped_passes += 1
         with reported_on_every_rank(self.global_rank):
-            validation.check_skipped_backward_passes(
+            support.check_skipped_backward_passes(
                 self.strategy_name, type(self).__name__, self._skipped_passes, self.backward_passes_per_step
             )
 
@@ -256,21 +331,11 @@ class HorovodAdasumStrategy(HorovodStrategy):
     strategy_name = "horovod_adasum"
     reduction = "Adasum"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        with reported_on_every_rank(launcher_rank()):
-            validation.check_gradient_predivide_factor(self.gradient_predivide_factor)
-
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def _validate_environment(self) -> None:
         super()._validate_environment()
-        validation.check_precision(self.precision.precision)
-
-    @override
-    def _validate_optimizer(self, optimizer: Optimizer) -> None:
-        names = [type(optimizer).__name__] if needs_closure(optimizer) else []
-        validation.check_closure_optimizers(self.strategy_name, names)
+        support.check_precision(self.precision.precision)
 
     # ------------------------------------------------------------------------------------------ step
     @override
@@ -281,10 +346,10 @@ class HorovodAdasumStrategy(HorovodStrategy):
             AdasumConfigurationError: on every rank, naming the strategies that can clip.
         """
         with reported_on_every_rank(self.global_rank):
-            raise validation.clipping_refused(self.strategy_name, kind, limit)
+            raise support.clipping_refused(self.strategy_name, kind, limit)
 
 
-class _CountedBackwardSyncControl(_compat.BackwardSyncControl):
+class _CountedBackwardSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync`` under Horovod: its hooks cannot be paused, but reduce only on the
     ``backward_passes_per_step``-th pass (or at ``optimizer.step()``); each skipped pass is counted against
     that window."""
@@ -297,3 +362,8 @@ class _CountedBackwardSyncControl(_compat.BackwardSyncControl):
         if enabled:
             self._strategy._skip_backward_pass()
         return nullcontext()
+
+
+# Registered by name with the strategy registry on import: Fabric(strategy="horovod_adasum").
+for _strategy in (HorovodAdasumStrategy, HorovodStrategy):
+    _strategy.register_strategies(STRATEGY_REGISTRY)

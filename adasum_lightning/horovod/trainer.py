@@ -5,7 +5,8 @@ Lightning 2.0 removed its Horovod strategy (`#16150
 the learning-rate policy (``lr_scaling="auto"``): Adasum of parameter deltas, factor 1 (``hvd.local_size()``
 on GPU with a NCCL-built Horovod); or the average of gradients, factor world size. ``horovodrun``/``mpirun``
 start the processes; Horovod reduces the update and a ``torch.distributed`` process group over the same
-ranks carries everything else (:mod:`._base`).
+ranks carries everything else (:mod:`adasum_lightning.trainer._base`). Importing it registers them; its copy
+for ``lightning.pytorch`` is this file with the package names renamed (:mod:`adasum_lightning._namespaces`).
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.strategies import StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from adasum_lightning import reporting, validation
-from adasum_lightning._strategy_parts import HorovodProcess, named_parameters
-from adasum_lightning.fabric.environment import HorovodEnvironment
-from adasum_lightning.horovod_support import needs_closure
-
-from . import _compat
-from ._base import UpdateReducingDDPStrategy
+from adasum_lightning.horovod import _compat, support
+from adasum_lightning.horovod.fabric import HorovodEnvironment
+from adasum_lightning.horovod.process import HorovodProcess
+from adasum_lightning.trainer._base import UpdateReducingDDPStrategy
+from adasum_lightning.trainer._compat import (
+    mark_step_for_schedulers,
+    unwrap_lightning_optimizer,
+)
 
 __all__ = ["HorovodStrategy", "HorovodAdasumStrategy"]
 
@@ -38,15 +41,13 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
     pytorch-lightning 1.x's ``strategy="horovod"``: each optimizer is wrapped in
     ``hvd.DistributedOptimizer(op=hvd.Average)`` and ``lr_scaling="auto"`` multiplies every learning rate by
     the world size (`#2574 <https://github.com/Lightning-AI/pytorch-lightning/issues/2574>`_). The launch
-    rules, the process group beside Horovod and the wrapper: :class:`~adasum_lightning._strategy_parts.
+    rules, the process group beside Horovod and the wrapper: :class:`~adasum_lightning.horovod.process.
     HorovodProcess`.
 
     Args:
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy.
         lr_scaling: ``"auto"`` (× world size here), ``"none"`` or a positive factor.
-        compression: ``"none"`` or ``"fp16"`` (Horovod's ``Compression.fp16``: float16 on the wire only).
-        gradient_predivide_factor: Horovod's averaging split (÷ factor before the sum, × factor ÷ size after);
-            1 for Adasum.
+        compression, gradient_predivide_factor: Horovod's (see :class:`~.process.HorovodProcess`).
         process_group_backend, timeout: of the ``torch.distributed`` process group beside Horovod.
 
     Raises:
@@ -67,7 +68,7 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
         gradient_predivide_factor: float = 1.0,
         **kwargs: Any,
     ) -> None:
-        validation.check_no_local_sgd(kwargs, self.strategy_name)
+        support.check_no_local_sgd(kwargs, self.strategy_name)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -77,39 +78,15 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
             lr_scaling=lr_scaling,
             **kwargs,
         )
-        self.compression = validation.check_compression(compression)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self._set_options(compression, gradient_predivide_factor)
         self._hook_handles: list[Any] = []
-
-    # ------------------------------------------------------------------------------------------ properties
-    @property
-    @override
-    def optimizers(self) -> list[Optimizer]:
-        return self._optimizers
-
-    @optimizers.setter
-    def optimizers(self, optimizers: list[Optimizer]) -> None:
-        super(HorovodStrategy, type(self)).optimizers.fset(self, optimizers)
-        # Lightning's LightningOptimizer subclasses the optimizer's class; Horovod's wrapper methods call
-        # super(self.__class__, self), which then recurses forever (manual optimisation's opt.zero_grad()).
-        # Route those methods to the wrapper itself.
-        for lightning_optimizer in _compat.lightning_optimizers(self):
-            wrapped = _compat.unwrap_lightning_optimizer(lightning_optimizer)
-            for name in ("zero_grad", "synchronize", "skip_synchronize"):
-                if name in vars(type(wrapped)):
-                    setattr(lightning_optimizer, name, getattr(wrapped, name))
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
         assert self.model is not None
-        with reporting.reported_on_every_rank(self.global_rank):
-            validation.check_horovod_dtypes(
-                self.strategy_name,
-                self.root_device.type,
-                {p.dtype for p in self.model.parameters() if p.requires_grad},
-            )
+        self._check_module(self.model)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -117,10 +94,11 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         originals = list(self.optimizers)
-        with reporting.reported_on_every_rank(self.global_rank):
-            self._validate_optimizers(originals)
+        self._check_optimizers(originals)
+        assert self.lightning_module is not None
+        names = {p: name for name, p in self.lightning_module.named_parameters()}
         self.optimizers = [
-            self._wrap_optimizer(optimizer, index, trainer.accumulate_grad_batches)
+            self._horovod_optimizer(optimizer, index, names, trainer.accumulate_grad_batches)
             for index, optimizer in enumerate(originals)
         ]
         # Schedulers must follow the wrapper: a checkpoint restore replaces its param groups.
@@ -128,20 +106,11 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
             for original, wrapper in zip(originals, self.optimizers, strict=True):
                 if getattr(config.scheduler, "optimizer", None) is original:
                     config.scheduler.optimizer = wrapper
-                    _compat.mark_step_for_schedulers(wrapper)
-
-    def _validate_optimizers(self, optimizers: list[Optimizer]) -> None:
-        """Rules on the optimizers, checked before they are wrapped."""
+                    mark_step_for_schedulers(wrapper)
 
     @override
     def _describe_reduction(self) -> str:
         return f"Horovod {self.reduction} reduction"
-
-    def _wrap_optimizer(self, optimizer: Optimizer, index: int, backward_passes_per_step: int) -> Optimizer:
-        assert self.lightning_module is not None
-        names = {p: name for name, p in self.lightning_module.named_parameters()}
-        named = named_parameters(optimizer, index, names)
-        return self._horovod_optimizer(optimizer, named, backward_passes_per_step)
 
     @override
     def _reduced_step(
@@ -155,20 +124,14 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
         Adasum: Horovod's ``step()`` runs the closure, whose backward hooks ran the local steps and started
         the delta allreduce, then applies the reduced deltas.
         """
-        hvd_optimizer = _compat.unwrap_lightning_optimizer(optimizer)
+        hvd_optimizer = unwrap_lightning_optimizer(optimizer)
         if _compat.is_horovod_adasum_optimizer(hvd_optimizer):
             return self._local_step(optimizer, closure, model, kwargs)
-        average_loss = needs_closure(hvd_optimizer)
-
-        def closure_then_synchronize() -> Any:
-            result = closure()
-            hvd_optimizer.synchronize()
-            if average_loss and isinstance(result, Tensor):
-                result = self.reduce(result.detach().clone(), reduce_op="mean")  # Lightning's loss stays
-            return result
-
+        # Lightning's own closure returns the loss it logs: averaged only for an optimizer that decides by it
+        average = support.needs_closure(hvd_optimizer)
+        evaluate = self._closure_then_synchronize(hvd_optimizer, closure, average, self.reduce)
         with hvd_optimizer.skip_synchronize():
-            return self._local_step(optimizer, closure_then_synchronize, model, kwargs)
+            return self._local_step(optimizer, evaluate, model, kwargs)
 
     @override
     def teardown(self) -> None:
@@ -207,22 +170,12 @@ class HorovodAdasumStrategy(HorovodStrategy):
     strategy_name = "horovod_adasum"
     reduction = "Adasum"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        validation.check_gradient_predivide_factor(self.gradient_predivide_factor)
-
     @override
     def _validate_trainer(self, trainer: pl.Trainer) -> None:
         super()._validate_trainer(trainer)
-        validation.check_precision(self.precision_plugin.precision)
+        support.check_precision(self.precision_plugin.precision)
         algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
-        validation.check_gradient_clipping(trainer.gradient_clip_val, algorithm)
-
-    @override
-    def _validate_optimizers(self, optimizers: list[Optimizer]) -> None:
-        validation.check_closure_optimizers(
-            self.strategy_name, [type(opt).__name__ for opt in optimizers if needs_closure(opt)]
-        )
+        support.check_gradient_clipping(trainer.gradient_clip_val, algorithm)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -254,3 +207,8 @@ def _clamp_on_last_pass(optimizer: Optimizer, clip_value: float, param: Tensor) 
     # Horovod decrements its per-parameter countdown in its own hook, after this one.
     if _compat.horovod_completes_window(optimizer, param) and param.grad is not None:
         param.grad.clamp_(-clip_value, clip_value)
+
+
+# Registered by name with the StrategyRegistry on import: Trainer(strategy="horovod_adasum").
+for _strategy in (HorovodAdasumStrategy, HorovodStrategy):
+    _strategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,263 @@
+"""What the Horovod strategies of both Lightning APIs do the same way; imports no Lightning package, so every
+copy of the strategies imports it as it is."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from adasum_lightning.horovod import _compat, support
+from adasum_lightning.launchers import detect_launcher, launcher_rank
+from adasum_lightning.reporting import reported_on_every_rank
+from adasum_lightning.validation import AdasumConfigurationError
+
+__all__ = ["HorovodProcess", "agree_on_process_group", "process_group_address"]
+
+
+class HorovodProcess:
+    """One process per device, started by ``horovodrun``/``mpirun``: Horovod's start, its launch rules, the
+    ``torch.distributed`` process group beside it, its optimizer wrapper and its learning-rate policy.
+
+    Mixed in before a Lightning ``DDPStrategy`` (Trainer's or Fabric's), whose process group then carries
+    Lightning's own collectives; that strategy provides ``cluster_environment``, ``world_size``,
+    ``global_rank``, ``local_rank`` and ``num_nodes``. The class sets ``strategy_name`` and ``reduction``
+    (Horovod's op name, ``"Average"`` or ``"Adasum"``); ``__init__`` calls :meth:`_set_options`:
+    ``compression`` (``"none"`` or ``"fp16"``: Horovod's ``Compression.fp16``, float16 on the wire only) and
+    ``gradient_predivide_factor`` (Horovod's averaging split: ÷ factor before the sum, × factor ÷ size after;
+    1 for Adasum).
+    """
+
+    strategy_name: str
+    #: Horovod op name of the optimizer wrapper: ``"Average"`` or ``"Adasum"``.
+    reduction: str = "Average"
+    #: The Lightning API, for messages: ``"Trainer"`` or ``"Fabric"``.
+    api: str = "Trainer"
+    compression: str
+    gradient_predivide_factor: float
+    cluster_environment: Any
+    world_size: int
+    global_rank: int
+    local_rank: int
+    num_nodes: int
+    _hvd: Any = None
+    _requested_devices: int = 1
+
+    @property
+    def hvd(self) -> Any:
+        """The ``horovod.torch`` module, imported on first use (:func:`~adasum_lightning.horovod.support.
+        import_horovod` names the fix when it is missing)."""
+        if self._hvd is None:
+            self._hvd = support.import_horovod()
+        return self._hvd
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices
+        return devices[0] if devices else torch.device("cpu")
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        # Whatever ``devices`` Lightning was given (e.g. "auto": every GPU of the node), this process drives
+        # one: cuda:<local rank>, or the CPU. The requested count is kept for the launch check.
+        if devices:
+            self._requested_devices = len(devices)
+            kind = torch.device(devices[0]).type
+            devices = [torch.device("cuda", self.local_rank)] if kind == "cuda" else [torch.device(kind)]
+        self._parallel_devices = devices
+
+    def _configure_launcher(self) -> None:
+        self._launcher = None  # horovodrun / mpirun start the processes
+
+    def _set_options(self, compression: str, gradient_predivide_factor: float) -> None:
+        """Set ``compression`` and ``gradient_predivide_factor`` (1 under Adasum, refused on every rank)."""
+        self.compression = support.check_compression(compression)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        if self.reduction == "Adasum":
+            with reported_on_every_rank(launcher_rank()):
+                support.check_gradient_predivide_factor(self.gradient_predivide_factor)
+
+    def setup_environment(self) -> None:
+        """``hvd.init()``, the launch rules, then the ``torch.distributed`` process group at the address and
+        port rank 0 picks and Horovod broadcasts (``MASTER_ADDR``/``MASTER_PORT`` when set).
+
+        Raises:
+            AdasumConfigurationError: on every rank, before the first collective (a bad launch can crash or
+                hang in one): a process Horovod sees alone though more were started or ``devices`` > 1, the
+                rules of :meth:`_validate_environment`, a loopback address for a job on several hosts.
+        """
+        hvd = self.hvd
+        hvd.init()
+        rank_zero_only.rank = hvd.rank()
+        with reported_on_every_rank(hvd.rank()):
+            support.check_launch(
+                hvd.size(),
+                detect_launcher(),
+                self._requested_devices,
+                api=self.api,
+                strategy_name=self.strategy_name,
+            )
+            self._validate_environment()
+        self.num_nodes = agree_on_process_group(hvd, self.cluster_environment)
+        super().setup_environment()  # type: ignore[misc]
+
+    def _validate_environment(self) -> None:
+        """Rules on the launch, right after ``hvd.init()``; under Adasum its world rules (a warning on rank 0
+        where Horovod's Adasum works but not as the docs describe)."""
+        support.check_cpu_operations(
+            mpi_enabled=self.hvd.mpi_enabled(),
+            cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS"),
+            strategy_name=self.strategy_name,
+        )
+        hvd = self.hvd
+        if self.reduction != "Adasum" or hvd.size() == 1:
+            return  # Adasum's rules: a world of 1 reduces nothing
+        support.check_controller(
+            mpi_built=hvd.mpi_built(), mpi_enabled=hvd.mpi_enabled(), gloo_enabled=hvd.gloo_enabled()
+        )
+        if self.root_device.type != "cuda" or not hvd.nccl_built():
+            support.check_world_size(hvd.size())
+        elif warning := support.check_nccl_topology(hvd.size(), hvd.allgather_object(hvd.local_size())):
+            rank_zero_warn(warning)
+
+    def _check_module(self, module: Module) -> None:
+        """Refuse, on every rank, bfloat16 parameters on CPU (:func:`~.support.check_horovod_dtypes`)."""
+        with reported_on_every_rank(self.global_rank):
+            support.check_horovod_dtypes(
+                self.strategy_name,
+                self.root_device.type,
+                {p.dtype for p in module.parameters() if p.requires_grad},
+            )
+
+    def _check_optimizers(self, optimizers: list[Optimizer]) -> None:
+        """Refuse, on every rank, a closure optimizer under Adasum (its local step runs inside backward)."""
+        if self.reduction == "Adasum":
+            with reported_on_every_rank(self.global_rank):
+                support.check_closure_optimizers(
+                    self.strategy_name,
+                    [type(opt).__name__ for opt in optimizers if support.needs_closure(opt)],
+                )
+
+    def _auto_lr_factor(self) -> float:
+        """``lr_scaling="auto"``: the world size for averaging (pytorch-lightning 1.x's Horovod strategy);
+        for Adasum 1, or ``hvd.local_size()`` on GPU with a NCCL-built Horovod, whose Adasum averages inside a
+        node (Horovod's ``docs/adasum_user_guide.rst``)."""
+        if self.reduction == "Average":
+            return float(self.world_size)
+        on_gpu = self.root_device.type == "cuda"
+        return float(self.hvd.local_size()) if on_gpu and self.hvd.nccl_built() else 1.0
+
+    def _horovod_optimizer(
+        self, optimizer: Optimizer, index: int, names: Mapping[Tensor, str], backward_passes_per_step: int
+    ) -> Optimizer:
+        """``optimizer`` wrapped in ``hvd.DistributedOptimizer`` with this strategy's op and compression.
+
+        Its allreduce operations are named after the parameters (``names``); a parameter ``names`` lacks is
+        called ``optimizer<index>.group<g>.param<j>``.
+        """
+        hvd = self.hvd
+        named = [
+            (names.get(p, f"optimizer{index}.group{g}.param{j}"), p)
+            for g, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+        ]
+        wrapped = hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=named,
+            compression=hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none,
+            op=getattr(hvd, self.reduction),
+            backward_passes_per_step=backward_passes_per_step,
+            gradient_predivide_factor=self.gradient_predivide_factor,
+        )
+        _compat.route_horovod_methods_to(wrapped)  # Lightning's and Fabric's wrappers subclass its class
+        return wrapped
+
+    @staticmethod
+    def _closure_then_synchronize(
+        optimizer: Any, closure: Callable[[], Any], average_loss: bool, reduce: Callable[..., Tensor]
+    ) -> Callable[[], Any]:
+        """``closure`` (forward, backward), then wait for the gradient allreduce of Horovod's ``optimizer``; a
+        tensor it returns is averaged over the ranks with ``reduce`` when ``average_loss``, so that every
+        rank decides alike (e.g. LBFGS's line search)."""
+
+        def evaluate() -> Any:
+            result = closure()
+            optimizer.synchronize()
+            if average_loss and isinstance(result, Tensor):
+                result = reduce(result.detach().clone(), reduce_op="mean")
+            return result
+
+        return evaluate
+
+
+def agree_on_process_group(hvd: Any, environment: Any) -> int:
+    """Rank 0 picks the address and port of the ``torch.distributed`` group; Horovod broadcasts them.
+
+    Also sets each rank's node rank (its host's index among the job's hosts).
+
+    Args:
+        hvd: ``horovod.torch``, initialised.
+        environment: the strategy's ``HorovodEnvironment``, which picks the free port and receives the
+            address, port and node rank.
+
+    Returns:
+        The number of hosts in the job.
+
+    Raises:
+        AdasumConfigurationError: on every rank, for a job on several hosts whose address would be a loopback
+            one (``MASTER_ADDR``, or rank 0's host name, resolving so); the message names ``MASTER_ADDR``.
+    """
+    proposal = (
+        process_group_address(hvd.size() == hvd.local_size(), environment.free_port)
+        if hvd.rank() == 0
+        else None
+    )
+    address, port, problem = hvd.broadcast_object(proposal, root_rank=0, name="adasum_lightning.pg_address")
+    if problem:
+        with reported_on_every_rank(hvd.rank()):
+            raise AdasumConfigurationError(problem)
+    environment.set_main_address_and_port(address, port)
+    hosts = list(dict.fromkeys(hvd.allgather_object(socket.gethostname(), name="adasum_lightning.hosts")))
+    environment.set_node_rank(hosts.index(socket.gethostname()))
+    return len(hosts)
+
+
+def process_group_address(
+    single_host: bool, free_port: Callable[[], int]
+) -> tuple[str | None, int | None, str | None]:
+    """On rank 0: ``(address, port, problem)`` of the process group beside Horovod.
+
+    The address is ``MASTER_ADDR``, else ``127.0.0.1`` on one host, else what rank 0's host name resolves to;
+    the port is ``MASTER_PORT``, else ``free_port()``. ``problem`` (address and port None) says why a job on
+    several hosts cannot use a loopback address.
+    """
+    port = int(os.environ.get("MASTER_PORT") or free_port())
+    given = os.environ.get("MASTER_ADDR")
+    if single_host:
+        return given or "127.0.0.1", port, None
+    address = given or socket.gethostbyname(socket.gethostname())
+    if not socket.gethostbyname(address).startswith("127."):
+        return address, port, None
+    where = (
+        f"MASTER_ADDR={given} is a loopback address"
+        if given
+        else f"rank 0's host name {socket.gethostname()!r} resolves to the loopback address {address}"
+    )
+    fix = "Unset MASTER_ADDR, or set it" if given else "Set MASTER_ADDR"
+    return (
+        None,
+        None,
+        f"this job spans several hosts, but {where}, which the other hosts cannot reach. {fix} to an "
+        "address of rank 0's host that every host can reach (e.g. `mpirun -x MASTER_ADDR=10.0.0.4 ...`).",
+    )

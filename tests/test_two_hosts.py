@@ -320,19 +320,22 @@ def progress(out: Path) -> list[tuple[int, int, int, float]]:
 
 
 @pytest.mark.walltime
-def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_hosts, tmp_path):
+@pytest.mark.parametrize("sync_every", [1, 10])
+def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_hosts, tmp_path, sync_every):
     """The elastic recipe (docs/elastic.md): ``torchrun --nnodes 1:2 --max-restarts 3`` with
     ``TORCHRUN_ELASTIC_ARGS`` and ``TORCHRUN_ELASTIC_ENV`` on each host, ``ddp_adasum`` with
     ``ELASTIC_PROCESS_GROUP_TIMEOUT``, a ``ModelCheckpoint`` every 5 steps and ``fit(ckpt_path="last")``.
     hostB's link is cut at step 20 of 60: hostA's agent restarts its two workers at world size 2 from the
     last checkpoint; they train again within ``ELASTIC_RECOVERY_LIMIT_S``, reach ``max_steps`` with
-    identical parameters, and hostA's torchrun exits 0."""
+    identical parameters, and hostA's torchrun exits 0. With ``sync_every=10`` the cut falls inside a window
+    (a checkpoint ends one early, on every rank)."""
     hosts = two_hosts
     for host in twohosts.HOSTS:
         check(hosts.run(host, *tcp_retries2_sysctl()), f"sysctl on {host}")
     timeout = str(ELASTIC_PROCESS_GROUP_TIMEOUT.total_seconds())
     worker_args = ["--strategy", "ddp_adasum", "--pg-timeout", timeout, "--samples", "100000"]
     worker_args += ["--max-steps", "60", "--checkpoint-every", "5", "--step-seconds", "0.25"]
+    worker_args += ["--sync-every", str(sync_every)] if sync_every > 1 else []
     # the recipe as docs/elastic.md shows it: torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3
     # --shutdown-timeout 5 --rdzv-backend c10d --rdzv-endpoint hostA:29400 --rdzv-id ID --rdzv-conf
     # last_call_timeout=5 -m tests.workers.twohost_ddp OUT ...

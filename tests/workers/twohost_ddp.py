@@ -2,12 +2,13 @@
 what it saw to ``OUT_DIR/rank{r}.pt``.
 
 usage: python -m tests.workers.twohost_ddp OUT_DIR [--strategy NAME] [--epochs N] [--pg-timeout S]
-    [--max-steps N --checkpoint-every K [--step-seconds T]]
+    [--max-steps N --checkpoint-every K [--step-seconds T]] [--sync-every H]
 
 ``--strategy`` is a name from Lightning's strategy registry (``ddp_adasum``, or e.g. Lightning's ``ddp``).
 ``--pg-timeout S`` builds the strategy with ``timeout=timedelta(seconds=S)`` (the process group's
-timeout: how long a collective waits for a lost peer). The Trainer gets ``accelerator="cpu",
-devices=LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE`` from torchrun's variables.
+timeout: how long a collective waits for a lost peer); ``--sync-every H`` with ``sync_every=H``. The
+Trainer gets ``accelerator="cpu", devices=LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE``
+from torchrun's variables.
 Each rank writes its latest global step to ``OUT_DIR/step-rank{r}`` after every batch.
 
 ``--max-steps N --checkpoint-every K`` is the elastic recipe: ``ModelCheckpoint(OUT_DIR/checkpoints,
@@ -52,11 +53,15 @@ class Progress(pl.Callback):
                 f.write(f"{os.getpid()} {trainer.global_step} {time.time():.3f}\n")
 
 
-def build_strategy(name: str, pg_timeout: float | None):
-    if pg_timeout is None:
+def build_strategy(name: str, pg_timeout: float | None, sync_every: int | None = None):
+    if pg_timeout is None and sync_every is None:
         return name
     entry = StrategyRegistry[name]
-    params = {**entry["init_params"], "timeout": datetime.timedelta(seconds=pg_timeout)}
+    params = dict(entry["init_params"])
+    if pg_timeout is not None:
+        params["timeout"] = datetime.timedelta(seconds=pg_timeout)
+    if sync_every is not None:
+        params["sync_every"] = sync_every
     return entry["strategy"](**params)
 
 
@@ -70,6 +75,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--checkpoint-every", type=int, default=None)
     p.add_argument("--step-seconds", type=float, default=0.0)
+    p.add_argument("--sync-every", type=int, default=None)
     args = p.parse_args()
     elastic = args.checkpoint_every is not None
     out = Path(args.out)
@@ -81,7 +87,7 @@ def main() -> None:
     torch.manual_seed(1000 + int(os.environ["RANK"]))
     model = TinyModule(n=args.samples)
     trainer = pl.Trainer(
-        strategy=build_strategy(args.strategy, args.pg_timeout),
+        strategy=build_strategy(args.strategy, args.pg_timeout, args.sync_every),
         accelerator="cpu",
         devices=local_size,
         num_nodes=int(os.environ["WORLD_SIZE"]) // local_size,

@@ -16,17 +16,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from adasum_lightning.checkpoint import check_resume_mesh, check_sharded_save_filter, check_state_dict_type
 from adasum_lightning.ops import adasum_reduce
 from adasum_lightning.validation import (
     AdasumConfigurationError,
     check_adasum_mesh,
     check_mesh_options,
     check_optimizer_of_sharded_module,
-    check_resume_mesh,
     check_shard_size,
     check_sharded_parameters,
-    check_sharded_save_filter,
-    check_state_dict_type,
     identical_gradients_message,
 )
 from tests.cases import Launch, assert_refused_on_every_rank, case
@@ -639,13 +637,17 @@ def test_fabric_save_and_load_resume_exactly(cases):
     straight, saved, resumed = cases[FABRIC_FIT].ranks, cases[FABRIC_SAVED].ranks, cases[FABRIC_RESUMED].ranks
     path = cases[FABRIC_SAVED].out / "ckpt"
     checkpoint = torch.load(path, weights_only=False)
-    assert sorted(checkpoint) == ["adasum_sharded_optimizer_mesh", "model", "optimizer", "step"]
+    assert sorted(checkpoint) == [
+        "adasum_save_identity", "adasum_sharded_optimizer_mesh", "model", "optimizer", "step"
+    ]  # fmt: skip
     assert (checkpoint["adasum_sharded_optimizer_mesh"], checkpoint["step"]) == ([2, 2], 2)
+    identity = checkpoint["adasum_save_identity"]
+    assert identity["global_step"] == 2 and len(identity["save_id"]) == 32
     for k, v in checkpoint["model"].items():  # the whole model, as the Trainer's fsdp_adasum saves it
         assert torch.equal(v, saved[0]["end"][k]), k
     for r in range(1, 4):  # every other rank's own optimizer shard beside the file
         own = torch.load(f"{path}.rank{r}-optimizer.pt", weights_only=False)
-        assert own["rank"] == r
+        assert own["rank"] == r and own["adasum_save_identity"] == identity  # the same save
         momentum = [s["momentum_buffer"] for s in own["optimizer_states"]["optimizer"]["state"].values()]
         assert [tuple(m.shape) for m in momentum] == [(8, 8), (8,), (2, 16), (2,)], r
     for r, res in enumerate(resumed):

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES
-from adasum_lightning.trainer._base import RANK_OPTIMIZER_STATES, rank_optimizer_path
+from adasum_lightning.checkpoint import PERIODIC_SYNC_STATES, RANK_OPTIMIZER_STATES, rank_optimizer_path
 from adasum_lightning.validation import scaled_learning_rate_message
 from tests.cases import Launch, case
 from tests.helpers import assert_ranks_identical

@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import adasum_lightning.checkpoint as ckpt
 from adasum_lightning import validation
 from adasum_lightning._strategy_parts import (
     check_launcher_world_size,
@@ -29,7 +30,7 @@ from adasum_lightning._strategy_parts import (
     sampler_seed,
 )
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES, PeriodicSync
+from adasum_lightning.local_sgd import PeriodicSync
 
 from . import _compat
 
@@ -185,8 +186,7 @@ class DDPAdasumStrategy(DDPStrategy):
         positions and outer optimizer states go under ``"adasum_periodic_sync_states"``."""
         self.end_windows()
         if self._periodic:
-            states = [{**p.state_dict(), "synced": None} for p in self._periodic.values()]
-            state = {**state, PERIODIC_SYNC_STATES: states}
+            state = {**state, ckpt.PERIODIC_SYNC_STATES: ckpt.window_states(list(self._periodic.values()))}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -195,8 +195,8 @@ class DDPAdasumStrategy(DDPStrategy):
     ) -> dict[str, Any]:
         """Fabric's load; the windows restore their positions and outer states at their first steps."""
         remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
-        if isinstance(remainder, dict) and PERIODIC_SYNC_STATES in remainder:
-            self._restored_periodic = remainder.pop(PERIODIC_SYNC_STATES)
+        if isinstance(remainder, dict) and ckpt.PERIODIC_SYNC_STATES in remainder:
+            self._restored_periodic = remainder.pop(ckpt.PERIODIC_SYNC_STATES)
             close_windows(self._periodic)
         return remainder
 

@@ -6,7 +6,7 @@ usage: python -m tests.workers.drop_rank_file OUT CKPT_DIR RANK [--devices N]
 
 from pathlib import Path
 
-from adasum_lightning.trainer._base import rank_optimizer_path
+from adasum_lightning.checkpoint import rank_optimizer_path
 from tests.workers import cases
 
 folder, lost = cases.argv()[1:3]

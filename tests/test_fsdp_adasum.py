@@ -11,6 +11,7 @@ with momentum on the whole model, and the groups' deltas are combined per parame
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -487,6 +488,68 @@ def test_a_sharded_checkpoint_resumes_on_another_mesh(groups, shard_size, cases)
             part = torch.chunk(momenta[r // shard_size][k], shard_size)[r % shard_size]
             assert torch.equal(m, part), (r, k)
         assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A damaged companion file: named on every rank before a step; no rank takes another rank's shard
+
+
+def damaged(name: str, source: str, *how: str):
+    """A copy of ``source`` with a file damaged (``tests/workers/damage_checkpoint.py``); a resume from it."""
+    copy = case(TRAINER, f"fsdp-trainer-{name}", "damage_checkpoint", source, *how)
+    sharded = SHARDED if "sharded" in source else ()
+    resume = trainer_case(f"resume-{name}", "--max-steps", "3", "--resume", f"{{{copy.name}}}/ckpt", *sharded)
+    return copy, resume
+
+
+LOST_SHARD = (SAVED, *damaged("lost-rank-file", "{fsdp-trainer-save-2}/ckpt", "drop", "2"))
+TRUNCATED_META = (
+    SHARDED_SAVED,
+    *damaged("truncated-meta", "{fsdp-trainer-sharded-save-2}/ckpt", "truncate-meta"),
+)
+LOST_DISTCP = (SHARDED_SAVED, *damaged("lost-distcp", "{fsdp-trainer-sharded-save-2}/ckpt", "drop-shard"))
+
+
+def assert_named_on_every_rank(result, prefix: str, suffix: str = "") -> None:
+    errors = result.errors()
+    assert len(set(errors)) == 1, errors  # the same error on every rank
+    (kind, message), *_ = errors
+    assert kind == "IncompleteCheckpointError" and message.startswith(prefix) and message.endswith(suffix), (
+        message
+    )
+    assert not list(result.out.glob("rank*.pt"))  # no rank trained
+
+
+@pytest.mark.cases(*LOST_SHARD)
+def test_a_missing_rank_file_is_refused_on_every_rank_instead_of_taking_another_ranks_shard(cases):
+    path = os.path.realpath(cases[LOST_SHARD[1]].out / "ckpt")
+    assert_named_on_every_rank(
+        cases[LOST_SHARD[2]],
+        f"rank 2: {path}.rank2-optimizer.pt is missing: rank 2's optimizer shard of checkpoint {path} (no "
+        "rank resumes from another rank's shard). Copy the <checkpoint>.rank<r>-optimizer.pt files with the "
+        "checkpoint, or resume from another checkpoint.",
+    )
+
+
+@pytest.mark.cases(*TRUNCATED_META)
+def test_a_truncated_sharded_meta_file_is_named_on_every_rank(cases):
+    folder = os.path.realpath(cases[TRUNCATED_META[1]].out / "ckpt")
+    assert_named_on_every_rank(
+        cases[TRUNCATED_META[2]],
+        f"{folder}/meta.pt (written by rank 0) could not be read (RuntimeError: PytorchStreamReader failed",
+        "it is truncated or corrupt. Resume from another checkpoint, or pass ckpt_path=None to start from "
+        "scratch.",
+    )
+
+
+@pytest.mark.cases(*LOST_DISTCP)
+def test_a_missing_shard_file_is_named_with_its_rank_on_every_rank(cases):
+    folder = os.path.realpath(cases[LOST_DISTCP[1]].out / "ckpt")
+    assert_named_on_every_rank(
+        cases[LOST_DISTCP[2]],
+        f"{folder}/__1_0.distcp (rank 1's shards) is missing. Resume from another checkpoint, or pass "
+        "ckpt_path=None to start from scratch.",
+    )
 
 
 def test_sharded_save_filter_rule():

@@ -37,6 +37,7 @@ from adasum_lightning.validation import AdasumConfigurationError
 
 __all__ = [
     "IncompleteCheckpointError",
+    "Filter",
     "RANK_OPTIMIZER_STATES",
     "SAVE_IDENTITY",
     "SHARDED_OPTIMIZER_MESH",
@@ -49,6 +50,8 @@ __all__ = [
     "source_rank",
     "save_identity",
     "save_file",
+    "save_through",
+    "check_strict_keys",
     "read_checkpoint",
     "written_in_place",
     "save_rank_file",
@@ -89,6 +92,9 @@ STATE_DICT_TYPES = ("full", "sharded")
 #: What ``torch.load`` raises for a file it cannot read; a corrupt pickle stream can also fail in a memo
 #: lookup (``KeyError``, ``IndexError``).
 READ_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError, KeyError, IndexError)
+
+#: ``fabric.save``'s ``filter``: per key of the state, which of its items to keep.
+Filter = Mapping[str, Callable[[str, Any], bool]]
 
 #: The sharded folder's entry with the save id (16 bytes as ``uint8``), checked against ``meta.pt``'s.
 _SAVE_ID_ENTRY = "adasum_save_id"
@@ -142,6 +148,18 @@ def written_in_place(path: Any, write: Callable[[str], None], in_place: bool = T
     finally:
         if os.path.lexists(temporary):
             os.remove(temporary)
+
+
+def save_through(
+    checkpoint_io: Any, checkpoint: Any, path: Any, storage_options: Any, in_place: bool
+) -> None:
+    """``checkpoint_io.save_checkpoint(checkpoint, name, storage_options=...)`` (Lightning's ``CheckpointIO``
+    interface), renamed into place where ``in_place`` (:func:`written_in_place`)."""
+
+    def write(name: str) -> None:
+        checkpoint_io.save_checkpoint(checkpoint, name, storage_options=storage_options)
+
+    written_in_place(path, write, in_place)
 
 
 def save_file(obj: Any, path: Any) -> None:
@@ -286,7 +304,7 @@ def convert_state(
     state: Mapping[str, Any],
     module_state: Callable[[Module], Any],
     optimizer_state: Callable[[Optimizer], Any],
-    filter: Mapping[str, Callable[[str, Any], bool]] | None,
+    filter: Filter | None,
 ) -> tuple[dict[str, Any], list[str]]:
     """``fabric.save``'s state as plain values (modules and optimizers through the given functions, other
     stateful objects by ``state_dict()``, ``filter`` applied per key), and the keys of the optimizers."""
@@ -306,6 +324,19 @@ def convert_state(
     return converted, optimizers
 
 
+def check_strict_keys(missing: Sequence[str], strict: bool) -> None:
+    """``fabric.load``'s strict loading: ``missing`` are the requested keys the checkpoint lacks.
+
+    Raises:
+        KeyError: with ``strict``, naming the first (Fabric's message).
+    """
+    if strict and missing:
+        raise KeyError(
+            f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
+            "checkpoint. To disable strict loading, set `strict=False`."
+        )
+
+
 def restore_state(
     state: dict[str, Any],
     checkpoint: dict[str, Any],
@@ -319,12 +350,7 @@ def restore_state(
     Raises:
         KeyError: with ``strict``, a key of ``state`` that the checkpoint lacks (Fabric's message).
     """
-    missing = [k for k in state if k not in checkpoint]
-    if strict and missing:
-        raise KeyError(
-            f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
-            "checkpoint. To disable strict loading, set `strict=False`."
-        )
+    check_strict_keys([k for k in state if k not in checkpoint], strict)
     for key, obj in list(state.items()):
         if key not in checkpoint:
             continue

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning_fabric.accelerators import Accelerator
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision, TorchCheckpointIO
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
@@ -30,6 +30,7 @@ from adasum_lightning._strategy_parts import (
     sampler_seed,
 )
 from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.checkpoint import Filter
 from adasum_lightning.local_sgd import PeriodicSync
 
 from . import _compat
@@ -180,14 +181,16 @@ class DDPAdasumStrategy(DDPStrategy):
         path: Any,
         state: dict[str, Any],
         storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+        filter: Filter | None = None,
     ) -> None:
-        """End the windows (the checkpoint holds the synced parameters), then Fabric's save; the windows'
-        positions and outer optimizer states go under ``"adasum_periodic_sync_states"``."""
+        """End the windows (the file holds the synced parameters, their state), then rank 0 saves in place."""
         self.end_windows()
         if self._periodic:
             state = {**state, ckpt.PERIODIC_SYNC_STATES: ckpt.window_states(list(self._periodic.values()))}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        converted, _ = ckpt.convert_state(state, self.get_module_state_dict, self.get_optimizer_state, filter)
+        if self.is_global_zero:
+            in_place = type(self.checkpoint_io) is TorchCheckpointIO
+            ckpt.save_through(self.checkpoint_io, converted, path, storage_options, in_place)
 
     @override
     def load_checkpoint(

@@ -31,7 +31,7 @@ from adasum_lightning._strategy_parts import (
     sampler_seed,
 )
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.checkpoint import _is_stateful
+from adasum_lightning.checkpoint import Filter, _is_stateful
 from adasum_lightning.reporting import reported_on_every_rank
 from adasum_lightning.sharded import (
     broadcast_module_from_rank_zero,
@@ -48,9 +48,6 @@ from adasum_lightning.step import optimizer_parameters
 from . import _compat
 
 __all__ = ["FSDPAdasumStrategy"]
-
-#: ``fabric.save``'s ``filter``: per key of the state, which of its items to keep.
-Filter = Mapping[str, Callable[[str, Any], bool]]
 
 
 class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
@@ -239,9 +236,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         storage_options: Any | None = None,
         filter: Filter | None = None,
     ) -> None:
-        """Every rank: the whole model (a collective) and its own optimizer shard; rank 0 writes the file, the
-        others their ``<path>.rank<r>-optimizer.pt`` (:meth:`_save_full`). ``state_dict_type="sharded"``: the
-        folder ``path`` (:meth:`_save_sharded`)."""
+        """The file of the whole model and every rank's optimizer shard (:meth:`_save_full`); with
+        ``state_dict_type="sharded"`` the folder ``path`` (:meth:`_save_sharded`)."""
         if self.state_dict_type == "full":
             return self._save_full(path, state, storage_options, filter)
         with reported_on_every_rank(self.global_rank):
@@ -261,10 +257,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
             if self.global_rank != 0:
                 ckpt.save_rank_file(path, self.global_rank, {k: converted[k] for k in keys}, identity)
         if self.global_rank == 0:
-            save = functools.partial(
-                self.checkpoint_io.save_checkpoint, converted, storage_options=storage_options
-            )
-            ckpt.written_in_place(path, save, in_place=type(self.checkpoint_io) is TorchCheckpointIO)
+            in_place = type(self.checkpoint_io) is TorchCheckpointIO
+            ckpt.save_through(self.checkpoint_io, converted, path, storage_options, in_place)
 
     def _save_sharded(self, path: Any, state: dict[str, Any]) -> None:
         """``torch.distributed.checkpoint`` of each module's shards (``<key>.<name>``) and of every replica
@@ -306,14 +300,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         layouts = meta.pop(ckpt.SHARDED_LAYOUTS)
         source = ckpt.source_rank(self.device_mesh.get_local_rank("replicate"), saved_groups)
         names = self._parameter_names(state)
-        missing = [
-            k for k in state if k not in meta and k not in layouts and not isinstance(state[k], Module)
-        ]
-        if strict and missing:
-            raise KeyError(
-                f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
-                "checkpoint. To disable strict loading, set `strict=False`."
-            )
+        absent = [k for k in state if k not in meta and k not in layouts and not isinstance(state[k], Module)]
+        ckpt.check_strict_keys(absent, strict)
         for key, obj in list(state.items()):
             if isinstance(obj, Module):
                 ckpt.load_sharded_model_state(obj, path, f"{key}.", strict=strict)

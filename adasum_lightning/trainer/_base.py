@@ -282,10 +282,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         if "optimizer_states" in checkpoint:
             checkpoint = self._with_rank_files(checkpoint, filepath)
         if self.is_global_zero:
-            save = functools.partial(
-                self.checkpoint_io.save_checkpoint, checkpoint, storage_options=storage_options
-            )
-            ckpt.written_in_place(filepath, save, in_place=type(self.checkpoint_io) is TorchCheckpointIO)
+            in_place = type(self.checkpoint_io) is TorchCheckpointIO
+            ckpt.save_through(self.checkpoint_io, checkpoint, filepath, storage_options, in_place)
 
     def _with_rank_files(self, checkpoint: dict[str, Any], filepath: Any) -> dict[str, Any]:
         """Write this rank's file (ranks ≥ 1); the checkpoint with the world size, learning-rate factor and

@@ -27,21 +27,9 @@ __all__ = [
     "make_parameters_contiguous",
     "periodic_sync",
     "prepare_unwrapped_module",
-    "rank_optimizer_path",
     "register",
-    "SHARDED_OPTIMIZER_MESH",
     "sampler_seed",
 ]
-
-
-#: The checkpoint key recording the mesh ``(replica groups, shard_size)`` whose ranks saved their own shard
-#: of their replica group's optimizer state (``fsdp_adasum``, Trainer and Fabric).
-SHARDED_OPTIMIZER_MESH = "adasum_sharded_optimizer_mesh"
-
-
-def rank_optimizer_path(checkpoint_path: Any, rank: int) -> str:
-    """Where rank ``rank`` (≥ 1) keeps its optimizer state of the checkpoint ``checkpoint_path``."""
-    return f"{checkpoint_path}.rank{rank}-optimizer.pt"
 
 
 def register(strategy_registry: Any, strategy: type) -> None:

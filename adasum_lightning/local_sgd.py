@@ -25,14 +25,10 @@ from torch.optim import Optimizer
 from adasum_lightning.allreduce import adasum_allreduce_flat, mean_allreduce_flat, workspace
 from adasum_lightning.step import adasum_step, world_size
 
-__all__ = ["COMBINES", "PERIODIC_SYNC_STATES", "PeriodicSync"]
+__all__ = ["COMBINES", "PeriodicSync"]
 
 #: The ways the ranks' pseudo-gradients are combined.
 COMBINES = ("adasum", "mean")
-
-#: The checkpoint key of the strategies' windows: per optimizer, :meth:`PeriodicSync.state_dict` without
-#: θ_sync (a checkpoint is written after a sync, where θ_sync is the parameters).
-PERIODIC_SYNC_STATES = "adasum_periodic_sync_states"
 
 T = TypeVar("T")
 

@@ -1,27 +1,14 @@
-"""How the strategies report a failure on every rank: a refused configuration, an unreadable checkpoint."""
+"""How the strategies report a refused configuration on every rank."""
 
 from __future__ import annotations
 
 import contextlib
-import pickle
 import sys
 from collections.abc import Iterator
 
 from adasum_lightning.validation import AdasumConfigurationError
 
-__all__ = ["CHECKPOINT_READ_ERRORS", "reported_on_every_rank"]
-
-#: What ``torch.load`` raises for a file it cannot read; a corrupt pickle stream can also fail in a memo
-#: lookup (``KeyError``, ``IndexError``). :func:`adasum_lightning.validation.unreadable_checkpoint` words it.
-CHECKPOINT_READ_ERRORS = (
-    pickle.UnpicklingError,
-    EOFError,
-    RuntimeError,
-    ValueError,
-    OSError,
-    KeyError,
-    IndexError,
-)
+__all__ = ["reported_on_every_rank"]
 
 
 @contextlib.contextmanager

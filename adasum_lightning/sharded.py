@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -64,12 +63,6 @@ __all__ = [
     "load_full_state_dict",
     "optimizer_state_to_local",
     "optimizer_state_to_shards",
-    "SHARDED_META",
-    "save_sharded_checkpoint",
-    "sharded_model_state",
-    "load_sharded_model_state",
-    "sharded_optimizer_entries",
-    "load_sharded_optimizer_state",
 ]
 
 T = TypeVar("T")
@@ -285,118 +278,6 @@ def optimizer_state_to_shards(optimizer: Optimizer, shard_group: dist.ProcessGro
                     values[k] = DTensor.from_local(
                         chunk, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
                     )
-
-
-#: The file of a sharded checkpoint's folder that holds everything but the tensors (written by rank 0).
-SHARDED_META = "meta.pt"
-
-
-def save_sharded_checkpoint(path: Any, tensors: dict[str, Any], meta: dict[str, Any] | None) -> None:
-    """Write a sharded checkpoint: the folder ``path`` with ``tensors`` (this rank's entries: ``DTensor``
-    shards and plain tensors, possibly other keys than the other ranks') through
-    ``torch.distributed.checkpoint`` (every rank calls it: a collective over the default group), and
-    ``meta`` (on the rank that passes it) in ``<path>/meta.pt``. Entries saved by several ranks under the
-    same key and offsets (the replicas of a shard) are written once."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=folder)
-    if meta is not None:
-        torch.save(meta, folder / SHARDED_META)
-
-
-def sharded_model_state(module: Module, keep_plain: bool) -> dict[str, Any]:
-    """``module.state_dict()`` as a sharded checkpoint's entries: the ``DTensor`` shards, and the plain
-    tensors (buffers, unsharded parameters) only where ``keep_plain`` (rank 0: one rank's buffers)."""
-    state = module.state_dict()
-    return {k: v for k, v in state.items() if keep_plain or isinstance(v, DTensor)}
-
-
-def load_sharded_model_state(module: Module, path: Any, prefix: str, strict: bool = True) -> None:
-    """Fill ``module`` (sharded on any mesh, or not at all) from a sharded checkpoint's entries
-    ``<prefix><name>``: ``torch.distributed.checkpoint`` reads the parts of the saved tensors that this
-    rank's shards cover (resharding from another shard size). A collective over the default group."""
-    import torch.distributed.checkpoint as dcp
-
-    target = {f"{prefix}{k}": v for k, v in module.state_dict().items()}
-    dcp.load(target, checkpoint_id=Path(path))
-    module.load_state_dict({k[len(prefix) :]: v for k, v in target.items()}, strict=strict)
-
-
-def sharded_optimizer_entries(
-    optimizer: Optimizer, names: Mapping[int, str], key: str
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """This rank's optimizer state as a sharded checkpoint's entries ``<key>.<parameter name>.<state>``, and
-    its layout ``{parameter name: {state: ("shard", dtype) | ("tensor", shape, dtype) | ("value", v)}}``.
-
-    ``names`` maps ``id(parameter)`` to the parameter's name in its module; ``key`` names this replica
-    group's copy (every group keeps its own optimizer state: e.g. ``"optimizer0.replica1"``).
-    """
-    entries: dict[str, torch.Tensor] = {}
-    layout: dict[str, dict[str, Any]] = {}
-    for p in (p for group in optimizer.param_groups for p in group["params"]):
-        if p not in optimizer.state:
-            continue
-        name = names[id(p)]
-        layout[name] = {}
-        for state_name, value in optimizer.state[p].items():
-            if isinstance(value, DTensor):
-                layout[name][state_name] = ("shard", str(value.dtype).removeprefix("torch."))
-            elif torch.is_tensor(value):
-                layout[name][state_name] = (
-                    "tensor",
-                    tuple(value.shape),
-                    str(value.dtype).removeprefix("torch."),
-                )
-            else:
-                layout[name][state_name] = ("value", value)
-                continue
-            entries[f"{key}.{name}.{state_name}"] = value
-    return entries, layout
-
-
-def load_sharded_optimizer_state(
-    optimizer: Optimizer,
-    names: Mapping[int, str],
-    path: Any,
-    key: str,
-    layout: Mapping[str, Mapping[str, Any]],
-    param_groups: list[dict[str, Any]],
-) -> None:
-    """Restore ``optimizer`` from a sharded checkpoint's entries ``<key>.…``
-    (:func:`sharded_optimizer_entries` of the replica group this rank takes its state from), resharded to this
-    rank's parameters' shards, with the saved ``param_groups``. A collective over the default group.
-
-    Raises:
-        KeyError: a parameter of the layout that ``optimizer`` does not hold (a checkpoint of another model).
-    """
-    import torch.distributed.checkpoint as dcp
-
-    by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
-    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
-    target: dict[str, torch.Tensor] = {}
-    for name, entries in layout.items():
-        p = by_name[name]
-        for state_name, kind in entries.items():
-            if kind[0] == "shard":
-                assert isinstance(p, DTensor), name
-                local = torch.zeros_like(p.to_local(), dtype=getattr(torch, kind[1]))
-                target[f"{key}.{name}.{state_name}"] = DTensor.from_local(
-                    local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                )
-            elif kind[0] == "tensor":
-                target[f"{key}.{name}.{state_name}"] = torch.zeros(kind[1], dtype=getattr(torch, kind[2]))
-    if target:
-        dcp.load(target, checkpoint_id=Path(path))
-    state = {
-        index[id(by_name[name])]: {
-            state_name: kind[1] if kind[0] == "value" else target[f"{key}.{name}.{state_name}"]
-            for state_name, kind in entries.items()
-        }
-        for name, entries in layout.items()
-    }
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
 def broadcast_from_replica_zero(params: Sequence[torch.Tensor], replicate_group: dist.ProcessGroup) -> None:

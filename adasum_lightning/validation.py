@@ -23,11 +23,7 @@ __all__ = [
     "check_adasum_mesh",
     "check_sharded_parameters",
     "check_mesh_options",
-    "check_resume_mesh",
     "check_optimizer_of_sharded_module",
-    "STATE_DICT_TYPES",
-    "check_state_dict_type",
-    "check_sharded_save_filter",
     "check_uneven_inputs",
     "check_overlap_backward",
     "WIRE_DTYPES",
@@ -37,7 +33,6 @@ __all__ = [
     "check_outer_optimizer",
     "local_sgd_without_outer_message",
     "overlap_fallback_reason",
-    "unreadable_checkpoint",
     "identical_gradients_message",
     "scaled_learning_rate_message",
 ]
@@ -149,16 +144,6 @@ def check_launcher_world_size(
             f"the {api} describes devices={devices} × num_nodes={num_nodes} = {devices * num_nodes}. Set "
             f"{api}(devices=<processes per node>, num_nodes=<nodes>) to match the launch."
         )
-
-
-def unreadable_checkpoint(path: object, err: BaseException, rank: int) -> RuntimeError:
-    """The error for a checkpoint file that exists but cannot be loaded (truncated, corrupt, foreign)."""
-    first_line = (str(err).splitlines() or [""])[0][:200]
-    return RuntimeError(
-        f"checkpoint {path} could not be read on rank {rank} ({type(err).__name__}: {first_line}). "
-        "It is truncated, corrupt or not a Lightning checkpoint: pass another ckpt_path, or ckpt_path=None "
-        "to start from scratch."
-    )
 
 
 def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:
@@ -459,45 +444,6 @@ def check_mesh_options(
         )
 
 
-def check_resume_mesh(
-    saved: Sequence[int], current: Sequence[int], strategy_name: str = "fsdp_adasum"
-) -> None:
-    """A checkpoint of sharded optimizer states (every rank's own shard of its replica group's state) resumes
-    on the mesh it was saved on: ``saved`` and ``current`` are ``(replica groups, shard_size)``.
-
-    Raises:
-        AdasumConfigurationError: naming both meshes and the settings that match.
-    """
-    if tuple(saved) != tuple(current):
-        groups, shard = saved
-        raise AdasumConfigurationError(
-            f"{strategy_name}: the checkpoint holds optimizer states sharded over a {groups} × {shard} mesh "
-            f"(replica groups × shard_size), this run has {current[0]} × {current[1]}; a full checkpoint "
-            f"resumes on its own mesh only. Resume with {groups * shard} processes and shard_size={shard}, "
-            "or save with state_dict_type='sharded' (any mesh resumes from that)."
-        )
-
-
-#: The checkpoint layouts of ``fsdp_adasum``.
-STATE_DICT_TYPES = ("full", "sharded")
-
-
-def check_state_dict_type(value: object, strategy_name: str = "fsdp_adasum") -> str:
-    """``state_dict_type``: ``"full"`` (the whole model gathered into rank 0's file, every rank's optimizer
-    shard beside it) or ``"sharded"`` (a folder written by ``torch.distributed.checkpoint``).
-
-    Raises:
-        AdasumConfigurationError: any other value.
-    """
-    if value not in STATE_DICT_TYPES:
-        raise AdasumConfigurationError(
-            f"{strategy_name}: state_dict_type={value!r} is not a checkpoint layout: pass "
-            "state_dict_type='full' (one file, the whole model; resumes on the same mesh) or 'sharded' (a "
-            "folder of shards through torch.distributed.checkpoint; resumes on any mesh)."
-        )
-    return value
-
-
 def check_optimizer_of_sharded_module(
     strategy_name: str, stale: int, total: int, has_state: bool = False
 ) -> None:
@@ -523,17 +469,3 @@ def check_optimizer_of_sharded_module(
         "torch.optim.SGD(model.parameters(), ...)) — or pass a fresh optimizer with the model: "
         "model, optimizer = fabric.setup(model, optimizer)."
     )
-
-
-def check_sharded_save_filter(has_filter: bool, strategy_name: str = "fsdp_adasum") -> None:
-    """``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``: a folder of shards is written
-    whole (a filtered one could not be resumed on another mesh).
-
-    Raises:
-        AdasumConfigurationError: naming the two ways that work.
-    """
-    if has_filter:
-        raise AdasumConfigurationError(
-            f"{strategy_name}: fabric.save(..., filter=...) is not supported with state_dict_type='sharded' "
-            "(the folder holds every shard): drop the filter, or save with state_dict_type='full'."
-        )

@@ -27,9 +27,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 import adasum_lightning  # noqa: F401  (registers "horovod_adasum", "horovod" and "ddp_adasum")
+from adasum_lightning.checkpoint import READ_ERRORS, unreadable_checkpoint
 from adasum_lightning.launchers import launcher_rank
-from adasum_lightning.reporting import CHECKPOINT_READ_ERRORS
-from adasum_lightning.validation import unreadable_checkpoint
 
 if __package__:  # imported as examples.mnist (tests, benchmarks)
     from .mnist_torch import MNIST_MEAN, MNIST_STD, MNISTCNN, MNISTFiles, normalize
@@ -153,7 +152,7 @@ class MNISTCLI(LightningCLI):
         # file the same clear error the strategy gives.
         try:
             super()._parse_ckpt_path()
-        except CHECKPOINT_READ_ERRORS as err:
+        except READ_ERRORS as err:
             ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
             raise unreadable_checkpoint(ckpt_path, err, launcher_rank()) from err
 

@@ -11,22 +11,21 @@ with momentum on the whole model, and the groups' deltas are combined per parame
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from adasum_lightning.checkpoint import check_resume_mesh, check_sharded_save_filter, check_state_dict_type
 from adasum_lightning.ops import adasum_reduce
 from adasum_lightning.validation import (
     AdasumConfigurationError,
     check_adasum_mesh,
     check_mesh_options,
     check_optimizer_of_sharded_module,
-    check_resume_mesh,
     check_shard_size,
     check_sharded_parameters,
-    check_sharded_save_filter,
-    check_state_dict_type,
     identical_gradients_message,
 )
 from tests.cases import Launch, assert_refused_on_every_rank, case
@@ -491,6 +490,68 @@ def test_a_sharded_checkpoint_resumes_on_another_mesh(groups, shard_size, cases)
         assert max_difference(res["end"], expected) <= ATOL, (r, max_difference(res["end"], expected))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# A damaged companion file: named on every rank before a step; no rank takes another rank's shard
+
+
+def damaged(name: str, source: str, *how: str):
+    """A copy of ``source`` with a file damaged (``tests/workers/damage_checkpoint.py``); a resume from it."""
+    copy = case(TRAINER, f"fsdp-trainer-{name}", "damage_checkpoint", source, *how)
+    sharded = SHARDED if "sharded" in source else ()
+    resume = trainer_case(f"resume-{name}", "--max-steps", "3", "--resume", f"{{{copy.name}}}/ckpt", *sharded)
+    return copy, resume
+
+
+LOST_SHARD = (SAVED, *damaged("lost-rank-file", "{fsdp-trainer-save-2}/ckpt", "drop", "2"))
+TRUNCATED_META = (
+    SHARDED_SAVED,
+    *damaged("truncated-meta", "{fsdp-trainer-sharded-save-2}/ckpt", "truncate-meta"),
+)
+LOST_DISTCP = (SHARDED_SAVED, *damaged("lost-distcp", "{fsdp-trainer-sharded-save-2}/ckpt", "drop-shard"))
+
+
+def assert_named_on_every_rank(result, prefix: str, suffix: str = "") -> None:
+    errors = result.errors()
+    assert len(set(errors)) == 1, errors  # the same error on every rank
+    (kind, message), *_ = errors
+    assert kind == "IncompleteCheckpointError" and message.startswith(prefix) and message.endswith(suffix), (
+        message
+    )
+    assert not list(result.out.glob("rank*.pt"))  # no rank trained
+
+
+@pytest.mark.cases(*LOST_SHARD)
+def test_a_missing_rank_file_is_refused_on_every_rank_instead_of_taking_another_ranks_shard(cases):
+    path = os.path.realpath(cases[LOST_SHARD[1]].out / "ckpt")
+    assert_named_on_every_rank(
+        cases[LOST_SHARD[2]],
+        f"rank 2: {path}.rank2-optimizer.pt is missing: rank 2's optimizer shard of checkpoint {path} (no "
+        "rank resumes from another rank's shard). Copy the <checkpoint>.rank<r>-optimizer.pt files with the "
+        "checkpoint, or resume from another checkpoint.",
+    )
+
+
+@pytest.mark.cases(*TRUNCATED_META)
+def test_a_truncated_sharded_meta_file_is_named_on_every_rank(cases):
+    folder = os.path.realpath(cases[TRUNCATED_META[1]].out / "ckpt")
+    assert_named_on_every_rank(
+        cases[TRUNCATED_META[2]],
+        f"{folder}/meta.pt (written by rank 0) could not be read (RuntimeError: PytorchStreamReader failed",
+        "it is truncated or corrupt. Resume from another checkpoint, or pass ckpt_path=None to start from "
+        "scratch.",
+    )
+
+
+@pytest.mark.cases(*LOST_DISTCP)
+def test_a_missing_shard_file_is_named_with_its_rank_on_every_rank(cases):
+    folder = os.path.realpath(cases[LOST_DISTCP[1]].out / "ckpt")
+    assert_named_on_every_rank(
+        cases[LOST_DISTCP[2]],
+        f"{folder}/__1_0.distcp (rank 1's shards) is missing. Resume from another checkpoint, or pass "
+        "ckpt_path=None to start from scratch.",
+    )
+
+
 def test_sharded_save_filter_rule():
     check_sharded_save_filter(False)
     with pytest.raises(AdasumConfigurationError) as info:
@@ -639,13 +700,17 @@ def test_fabric_save_and_load_resume_exactly(cases):
     straight, saved, resumed = cases[FABRIC_FIT].ranks, cases[FABRIC_SAVED].ranks, cases[FABRIC_RESUMED].ranks
     path = cases[FABRIC_SAVED].out / "ckpt"
     checkpoint = torch.load(path, weights_only=False)
-    assert sorted(checkpoint) == ["adasum_sharded_optimizer_mesh", "model", "optimizer", "step"]
+    assert sorted(checkpoint) == [
+        "adasum_save_identity", "adasum_sharded_optimizer_mesh", "model", "optimizer", "step"
+    ]  # fmt: skip
     assert (checkpoint["adasum_sharded_optimizer_mesh"], checkpoint["step"]) == ([2, 2], 2)
+    identity = checkpoint["adasum_save_identity"]
+    assert identity["global_step"] == 2 and len(identity["save_id"]) == 32
     for k, v in checkpoint["model"].items():  # the whole model, as the Trainer's fsdp_adasum saves it
         assert torch.equal(v, saved[0]["end"][k]), k
     for r in range(1, 4):  # every other rank's own optimizer shard beside the file
         own = torch.load(f"{path}.rank{r}-optimizer.pt", weights_only=False)
-        assert own["rank"] == r
+        assert own["rank"] == r and own["adasum_save_identity"] == identity  # the same save
         momentum = [s["momentum_buffer"] for s in own["optimizer_states"]["optimizer"]["state"].values()]
         assert [tuple(m.shape) for m in momentum] == [(8, 8), (8,), (2, 16), (2,)], r
     for r, res in enumerate(resumed):

@@ -8,13 +8,18 @@ Horovod strategies) run as cases of a few launches (``tests/cases.py``); every r
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES
-from adasum_lightning.trainer._base import RANK_OPTIMIZER_STATES, rank_optimizer_path
+from adasum_lightning.checkpoint import (
+    PERIODIC_SYNC_STATES,
+    RANK_OPTIMIZER_STATES,
+    SAVE_IDENTITY,
+    rank_optimizer_path,
+)
 from adasum_lightning.validation import scaled_learning_rate_message
 from tests.cases import Launch, case
 from tests.helpers import assert_ranks_identical
@@ -165,19 +170,25 @@ def test_a_horovod_adasum_checkpoint_resumes_under_ddp_adasum_with_each_ranks_st
         assert_same_state(res["start_opt_state"], before.ranks[r]["end_opt_state"], f"rank {r}")
 
 
-# ---------------------------------------------------------------- a lost rank file
+# ---------------------------------------------------------------- a lost, damaged or mismatched rank file
 LOST = fit("lost-rank-file-saved", "ddp_adasum", 2, "--epochs", "1", "--lr", "0.05")
-MISSING_RANK_FILE = (
-    LOST,
-    case(Launch("lightning", 2, phase=1), "lost-rank-file-drop", "drop_rank_file", f"{{{LOST.name}}}", "1"),
-    resumed("ddp_adasum", 2, LOST, "lost-rank-file-resumed"),
-)
+AFTER_SAVE = Launch("lightning", 2, phase=1)
+
+
+def damaged(name: str, source, *how: str):
+    """A copy of ``source``'s checkpoint with a companion file damaged
+    (``tests/workers/damage_checkpoint.py``), then a resume from it."""
+    copy = case(AFTER_SAVE, f"{name}-copy", "damage_checkpoint", f"{{{source.name}}}", *how)
+    return copy, resumed("ddp_adasum", 2, copy, f"{name}-resumed")
+
+
+MISSING_RANK_FILE = (LOST, *damaged("lost-rank-file", LOST, "drop", "1"))
 
 
 @pytest.mark.cases(*MISSING_RANK_FILE)
 def test_a_missing_rank_file_resumes_that_rank_from_rank_zeros_state_with_a_warning(cases):
     before, dropped, after = (cases[c] for c in MISSING_RANK_FILE)
-    ckpt = checkpoint_of(before.out)
+    ckpt = checkpoint_of(dropped.out)
     assert [s["status"] for s in dropped.statuses] == ["ok", "ok"]
     assert not Path(rank_optimizer_path(ckpt, 1)).exists()
     assert f"[rank 1] {rank_optimizer_path(ckpt, 1)} is missing" in after.case_output
@@ -185,6 +196,49 @@ def test_a_missing_rank_file_resumes_that_rank_from_rank_zeros_state_with_a_warn
         after.ranks[1]["start_opt_state"], before.ranks[0]["end_opt_state"], "rank 0's on rank 1"
     )
     assert_ranks_identical(after.ranks)
+
+
+SAVED_2 = saved("ddp_adasum", 2)  # step 8
+WHOLE = STOP_AND_RESUME["ddp_adasum", "sgd"][0]  # another run, saved at step 16
+OTHER_SAVE = (SAVED_2, WHOLE, *damaged("other-save", SAVED_2, "other-save", f"{{{WHOLE.name}}}"))
+TRUNCATED = (SAVED_2, *damaged("truncated-rank-file", SAVED_2, "truncate", "1"))
+
+
+@pytest.mark.cases(*OTHER_SAVE)
+def test_a_rank_file_of_another_save_is_refused_on_every_rank_naming_both_files(cases):
+    copy, after = cases[OTHER_SAVE[2]], cases[OTHER_SAVE[3]]
+    ckpt = os.path.realpath(checkpoint_of(copy.out))
+    rank_file = rank_optimizer_path(ckpt, 1)
+    ours = torch.load(ckpt, weights_only=False)[SAVE_IDENTITY]
+    theirs = torch.load(rank_file, weights_only=False)[SAVE_IDENTITY]
+    assert (ours["global_step"], theirs["global_step"]) == (8, 16)
+    expected = (
+        f"rank 1: {rank_file} (step 16, save {theirs['save_id'][:8]}) is from another save than checkpoint "
+        f"{ckpt} (step 8, save {ours['save_id'][:8]}): a save was interrupted between the files, or they "
+        "were copied from different saves. Resume from another checkpoint, or delete it to resume rank 1 "
+        "from rank 0's optimizer state, or pass ckpt_path=None to start from scratch."
+    )
+    assert after.errors() == [("IncompleteCheckpointError", expected)] * 2
+    assert not list(after.out.glob("rank*.pt"))  # no rank trained
+
+
+@pytest.mark.cases(*TRUNCATED)
+def test_a_truncated_rank_file_is_named_on_every_rank(cases):
+    copy, after = cases[TRUNCATED[1]], cases[TRUNCATED[2]]
+    ckpt = os.path.realpath(checkpoint_of(copy.out))
+    rank_file = rank_optimizer_path(ckpt, 1)
+    for kind, message in after.errors():
+        assert kind == "IncompleteCheckpointError"
+        assert message.startswith(
+            f"rank 1: {rank_file} (rank 1's optimizer state of checkpoint {ckpt}) could not be read "
+            "(RuntimeError: PytorchStreamReader failed"
+        ), message
+        assert message.endswith(
+            "it is truncated or corrupt. Resume from another checkpoint, or delete it to resume rank 1 from "
+            "rank 0's optimizer state, or pass ckpt_path=None to start from scratch."
+        ), message
+    assert len({message for _, message in after.errors()}) == 1  # the same on both ranks
+    assert not list(after.out.glob("rank*.pt"))
 
 
 # ---------------------------------------------------------------- lr_find

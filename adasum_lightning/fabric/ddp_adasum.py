@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning_fabric.accelerators import Accelerator
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision, TorchCheckpointIO
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import adasum_lightning.checkpoint as ckpt
 from adasum_lightning import validation
 from adasum_lightning._strategy_parts import (
     check_launcher_world_size,
@@ -29,7 +30,8 @@ from adasum_lightning._strategy_parts import (
     sampler_seed,
 )
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES, PeriodicSync
+from adasum_lightning.checkpoint import Filter
+from adasum_lightning.local_sgd import PeriodicSync
 
 from . import _compat
 
@@ -179,15 +181,16 @@ class DDPAdasumStrategy(DDPStrategy):
         path: Any,
         state: dict[str, Any],
         storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+        filter: Filter | None = None,
     ) -> None:
-        """End the windows (the checkpoint holds the synced parameters), then Fabric's save; the windows'
-        positions and outer optimizer states go under ``"adasum_periodic_sync_states"``."""
+        """End the windows (the file holds the synced parameters, their state), then rank 0 saves in place."""
         self.end_windows()
         if self._periodic:
-            states = [{**p.state_dict(), "synced": None} for p in self._periodic.values()]
-            state = {**state, PERIODIC_SYNC_STATES: states}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            state = {**state, ckpt.PERIODIC_SYNC_STATES: ckpt.window_states(list(self._periodic.values()))}
+        converted, _ = ckpt.convert_state(state, self.get_module_state_dict, self.get_optimizer_state, filter)
+        if self.is_global_zero:
+            in_place = type(self.checkpoint_io) is TorchCheckpointIO
+            ckpt.save_through(self.checkpoint_io, converted, path, storage_options, in_place)
 
     @override
     def load_checkpoint(
@@ -195,8 +198,8 @@ class DDPAdasumStrategy(DDPStrategy):
     ) -> dict[str, Any]:
         """Fabric's load; the windows restore their positions and outer states at their first steps."""
         remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
-        if isinstance(remainder, dict) and PERIODIC_SYNC_STATES in remainder:
-            self._restored_periodic = remainder.pop(PERIODIC_SYNC_STATES)
+        if isinstance(remainder, dict) and ckpt.PERIODIC_SYNC_STATES in remainder:
+            self._restored_periodic = remainder.pop(ckpt.PERIODIC_SYNC_STATES)
             close_windows(self._periodic)
         return remainder
 

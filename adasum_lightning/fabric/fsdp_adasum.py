@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 from lightning_fabric.accelerators import Accelerator
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision, TorchCheckpointIO
 from lightning_fabric.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,42 +21,33 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import adasum_lightning.checkpoint as ckpt
 from adasum_lightning import validation
 from adasum_lightning._strategy_parts import (
-    SHARDED_OPTIMIZER_MESH,
     ReplicaMesh,
     check_launcher_world_size,
     prepare_unwrapped_module,
-    rank_optimizer_path,
     register,
     sampler_seed,
 )
 from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.checkpoint import Filter, _is_stateful
 from adasum_lightning.reporting import reported_on_every_rank
 from adasum_lightning.sharded import (
-    SHARDED_META,
     broadcast_module_from_rank_zero,
     full_state_dict,
     load_full_state_dict,
-    load_sharded_model_state,
-    load_sharded_optimizer_state,
     local_shards,
     optimizer_state_to_local,
     optimizer_state_to_shards,
-    save_sharded_checkpoint,
     shard_module,
     sharded_adasum_step,
-    sharded_model_state,
-    sharded_optimizer_entries,
 )
 from adasum_lightning.step import optimizer_parameters
 
 from . import _compat
 
 __all__ = ["FSDPAdasumStrategy"]
-
-#: The key of a sharded checkpoint's ``meta.pt`` with each optimizer's state layout (by its key in the state).
-_SHARDED_LAYOUTS = "adasum_sharded_optimizer_layouts"
 
 
 class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
@@ -143,7 +134,7 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         self._backward_sync_control = _ShardedGradientsSyncControl()
         self.shard_size = shard_size
         self.mp_policy = mp_policy
-        self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self.state_dict_type = ckpt.check_state_dict_type(state_dict_type, self.strategy_name)
         self.compression = compression
         self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
         self._device_mesh: DeviceMesh | None = None
@@ -243,38 +234,31 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         path: Any,
         state: dict[str, Any],
         storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+        filter: Filter | None = None,
     ) -> None:
-        """Every rank: the whole model (a collective) and its own optimizer shard; rank 0 writes the file, the
-        others their ``<path>.rank<r>-optimizer.pt`` (see the class). ``state_dict_type="sharded"``: the
-        folder ``path`` (:meth:`_save_sharded`)."""
-        if self.state_dict_type == "sharded":
-            with reported_on_every_rank(self.global_rank):
-                validation.check_sharded_save_filter(bool(filter))
-            self._save_sharded(path, state)
-            return
-        converted, optimizers = {}, []
-        for key, obj in state.items():
-            if isinstance(obj, Module):
-                value: Any = self.get_module_state_dict(obj)
-            elif isinstance(obj, Optimizer):
-                value = self.get_optimizer_state(obj)
-                optimizers.append(key)
-            elif _is_stateful(obj):
-                value = obj.state_dict()
-            else:
-                value = obj
-            keep = (filter or {}).get(key)
-            if keep is not None and isinstance(value, Mapping):
-                value = {k: v for k, v in value.items() if keep(k, v)}
-            converted[key] = value
-        if optimizers:
-            converted[SHARDED_OPTIMIZER_MESH] = list(self.mesh_shape)
+        """The file of the whole model and every rank's optimizer shard (:meth:`_save_full`); with
+        ``state_dict_type="sharded"`` the folder ``path`` (:meth:`_save_sharded`)."""
+        if self.state_dict_type == "full":
+            return self._save_full(path, state, storage_options, filter)
+        with reported_on_every_rank(self.global_rank):
+            ckpt.check_sharded_save_filter(bool(filter))
+        self._save_sharded(path, state)
+
+    def _save_full(
+        self, path: Any, state: dict[str, Any], storage_options: Any, filter: Filter | None
+    ) -> None:
+        """The file of the whole model, with the mesh and the save's identity, and every rank's own optimizer
+        shard (rank 0's in the file, the others beside it), each renamed into place."""
+        modules, optimizers = self.get_module_state_dict, self.get_optimizer_state
+        converted, keys = ckpt.convert_state(state, modules, optimizers, filter)
+        if keys:
+            identity = ckpt.save_identity(state.get("step"), self.broadcast)
+            converted |= {ckpt.SHARDED_OPTIMIZER_MESH: list(self.mesh_shape), ckpt.SAVE_IDENTITY: identity}
+            if self.global_rank != 0:
+                ckpt.save_rank_file(path, self.global_rank, {k: converted[k] for k in keys}, identity)
         if self.global_rank == 0:
-            self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)
-        elif optimizers:
-            own = {"optimizer_states": {k: converted[k] for k in optimizers}, "rank": self.global_rank}
-            self.checkpoint_io.save_checkpoint(own, rank_optimizer_path(path, self.global_rank))
+            in_place = type(self.checkpoint_io) is TorchCheckpointIO
+            ckpt.save_through(self.checkpoint_io, converted, path, storage_options, in_place)
 
     def _save_sharded(self, path: Any, state: dict[str, Any]) -> None:
         """``torch.distributed.checkpoint`` of each module's shards (``<key>.<name>``) and of every replica
@@ -283,19 +267,20 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         names = self._parameter_names(state)
         replica = self.device_mesh.get_local_rank("replicate")
         tensors: dict[str, Any] = {}
-        meta: dict[str, Any] = {SHARDED_OPTIMIZER_MESH: list(self.mesh_shape), _SHARDED_LAYOUTS: {}}
+        meta: dict[str, Any] = {ckpt.SHARDED_OPTIMIZER_MESH: list(self.mesh_shape), ckpt.SHARDED_LAYOUTS: {}}
         for key, obj in state.items():
             if isinstance(obj, Module):
-                module_state = sharded_model_state(obj, keep_plain=self.global_rank == 0)
+                module_state = ckpt.sharded_model_state(obj, keep_plain=self.global_rank == 0)
                 tensors.update({f"{key}.{k}": v for k, v in module_state.items()})
             elif isinstance(obj, Optimizer):
-                entries, layout = sharded_optimizer_entries(obj, names, f"{key}.replica{replica}")
+                entries, layout = ckpt.sharded_optimizer_entries(obj, names, f"{key}.replica{replica}")
                 tensors.update(entries)
-                meta[_SHARDED_LAYOUTS][key] = layout
+                meta[ckpt.SHARDED_LAYOUTS][key] = layout
                 meta[key] = obj.state_dict()["param_groups"]
             else:
                 meta[key] = obj.state_dict() if _is_stateful(obj) else obj
-        save_sharded_checkpoint(path, tensors, meta if self.global_rank == 0 else None)
+        identity = ckpt.save_identity(state.get("step"), self.broadcast)
+        ckpt.save_sharded(path, tensors, meta if self.global_rank == 0 else None, identity)
 
     @staticmethod
     def _parameter_names(state: Mapping[str, Any]) -> dict[int, str]:
@@ -310,25 +295,19 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
     def _load_sharded(self, path: Any, state: dict[str, Any], strict: bool) -> dict[str, Any]:
         """Restore ``state`` from a folder of :meth:`_save_sharded`, saved on any ``R_old × S_old`` mesh: the
         modules resharded, replica group ``q`` taking group ``q mod R_old``'s optimizer state."""
-        meta = self.checkpoint_io.load_checkpoint(os.path.join(path, SHARDED_META))
-        saved_groups = int(meta.pop(SHARDED_OPTIMIZER_MESH)[0])
-        layouts = meta.pop(_SHARDED_LAYOUTS)
-        source = self.device_mesh.get_local_rank("replicate") % saved_groups
+        meta = ckpt.read_sharded_meta(path)
+        saved_groups = int(meta.pop(ckpt.SHARDED_OPTIMIZER_MESH)[0])
+        layouts = meta.pop(ckpt.SHARDED_LAYOUTS)
+        source = ckpt.source_rank(self.device_mesh.get_local_rank("replicate"), saved_groups)
         names = self._parameter_names(state)
-        missing = [
-            k for k in state if k not in meta and k not in layouts and not isinstance(state[k], Module)
-        ]
-        if strict and missing:
-            raise KeyError(
-                f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
-                "checkpoint. To disable strict loading, set `strict=False`."
-            )
+        absent = [k for k in state if k not in meta and k not in layouts and not isinstance(state[k], Module)]
+        ckpt.check_strict_keys(absent, strict)
         for key, obj in list(state.items()):
             if isinstance(obj, Module):
-                load_sharded_model_state(obj, path, f"{key}.", strict=strict)
+                ckpt.load_sharded_model_state(obj, path, f"{key}.", strict=strict)
             elif isinstance(obj, Optimizer) and key in layouts:
                 param_groups = meta.pop(key)
-                load_sharded_optimizer_state(
+                ckpt.load_sharded_optimizer_state(
                     obj, names, path, f"{key}.replica{source}", layouts[key], param_groups
                 )
             elif key in meta:
@@ -343,23 +322,27 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any
     ) -> dict[str, Any]:
-        """Restore ``state`` from a file of :meth:`save_checkpoint` (or of ``ddp_adasum``): the model from
-        the whole tensors, each optimizer from this rank's own shard (the same mesh only); from a folder of
-        ``state_dict_type="sharded"`` on any mesh (:meth:`_load_sharded`).
+        """Restore ``state`` from a file of :meth:`save_checkpoint` (or of ``ddp_adasum``; :meth:`_load_full`)
+        or from a folder of ``state_dict_type="sharded"`` on any mesh (:meth:`_load_sharded`).
 
         Returns:
             The items of the file that ``state`` did not name.
-
-        Raises:
-            AdasumConfigurationError: a file of optimizer shards saved on another mesh.
-            KeyError: with ``strict``, a key of ``state`` that the file lacks.
-            TypeError: ``state`` an optimizer alone (pass ``{"optimizer": optimizer, ...}``).
         """
         if os.path.isdir(path) and state and not isinstance(state, (Module, Optimizer)):
             return self._load_sharded(path, state, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, **kwargs)
-        if not state:
-            return checkpoint
+        return self._load_full(path, checkpoint, state, strict) if state else checkpoint
+
+    def _load_full(self, path: Any, checkpoint: dict[str, Any], state: Any, strict: bool) -> dict[str, Any]:
+        """The model from the whole tensors, each optimizer from this rank's own shard (the same mesh only;
+        the rank files checked against the file on every rank).
+
+        Raises:
+            AdasumConfigurationError: a file of optimizer shards saved on another mesh.
+            IncompleteCheckpointError: this rank's file missing, unreadable or from another save.
+            KeyError: with ``strict``, a key of ``state`` that the file lacks.
+            TypeError: ``state`` an optimizer alone (pass ``{"optimizer": optimizer, ...}``).
+        """
         if isinstance(state, Module):
             self.load_module_state_dict(state, checkpoint, strict=strict)
             return {}
@@ -368,44 +351,30 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
                 "fsdp_adasum loads an optimizer's shard from a checkpoint of fabric.save(path, {'optimizer': "
                 "optimizer, ...}): pass state={'optimizer': optimizer} (with the model)."
             )
-        saved_mesh = checkpoint.pop(SHARDED_OPTIMIZER_MESH, None)
-        optimizers = [k for k, obj in state.items() if isinstance(obj, Optimizer) and k in checkpoint]
+        saved_mesh = checkpoint.pop(ckpt.SHARDED_OPTIMIZER_MESH, None)
+        identity = checkpoint.pop(ckpt.SAVE_IDENTITY, None)
         own: dict[str, Any] = {}
-        if optimizers and saved_mesh is not None:
+        if saved_mesh is not None and any(
+            isinstance(o, Optimizer) and k in checkpoint for k, o in state.items()
+        ):
             with reported_on_every_rank(self.global_rank):
-                validation.check_resume_mesh(saved_mesh, self.mesh_shape, self.strategy_name)
-            if self.global_rank != 0:
-                rank_file = rank_optimizer_path(path, self.global_rank)
-                own = self.checkpoint_io.load_checkpoint(rank_file, **kwargs)["optimizer_states"]
-        missing = [k for k in state if k not in checkpoint]
-        if strict and missing:
-            raise KeyError(
-                f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
-                "checkpoint. To disable strict loading, set `strict=False`."
-            )
-        for key, obj in list(state.items()):
-            if key not in checkpoint:
-                continue
-            value = checkpoint.pop(key)
-            if isinstance(obj, Module):
-                self.load_module_state_dict(obj, value, strict=strict)
-            elif isinstance(obj, Optimizer):
-                obj.load_state_dict(own.get(key, value))
-                optimizer_state_to_shards(obj, self.shard_group, whole=saved_mesh is None)
-            elif _is_stateful(obj):
-                obj.load_state_dict(value)
-            else:
-                state[key] = value
-        return checkpoint
+                ckpt.check_resume_mesh(saved_mesh, self.mesh_shape, self.strategy_name)
+            rank = self.global_rank
+            own = ckpt.load_rank_optimizer_states(path, rank, rank, identity, fallback=False) or {}
+
+        def load_optimizer(key: str, optimizer: Optimizer, value: Any) -> None:
+            optimizer.load_state_dict(own.get(key, value))
+            optimizer_state_to_shards(optimizer, self.shard_group, whole=saved_mesh is None)
+
+        def load_module(module: Module, value: Any) -> None:
+            self.load_module_state_dict(module, value, strict=strict)
+
+        return ckpt.restore_state(state, checkpoint, strict, load_module, load_optimizer)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register(strategy_registry, cls)
-
-
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 class _ShardedGradientsSyncControl(_compat.BackwardSyncControl):

@@ -7,6 +7,7 @@ crosses ranks another way, reduced by each subclass (as Lightning's ``DeepSpeedS
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
@@ -29,25 +30,17 @@ from torch.nn import SyncBatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import adasum_lightning.checkpoint as ckpt
 from adasum_lightning import reporting, validation
-from adasum_lightning._strategy_parts import (
-    make_parameters_contiguous,
-    rank_optimizer_path,
-    register,
-    sampler_seed,
-)
+from adasum_lightning._strategy_parts import make_parameters_contiguous, register, sampler_seed
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.uneven import EvenBatches
 
 from . import _compat
 
-__all__ = ["UpdateReducingDDPStrategy", "RANK_OPTIMIZER_STATES", "rank_optimizer_path"]
+__all__ = ["UpdateReducingDDPStrategy"]
 
 log = logging.getLogger(__name__)
-
-#: The checkpoint key that records every rank's optimizer state ({"world_size": N, "lr_factor": f}).
-RANK_OPTIMIZER_STATES = "adasum_rank_optimizer_states"
-
 
 #: Exit status of a process stopped by SIGTERM (shells report 128 + signal number).
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
@@ -273,86 +266,71 @@ class UpdateReducingDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint on every rank; a missing or unreadable file raises an error naming the fix.
-
-        Raises:
-            FileNotFoundError: the file does not exist on this rank.
-            RuntimeError: the file is truncated, corrupt or not a Lightning checkpoint.
-        """
-        # pytorch-lightning < 2.5 has no weights_only argument here
-        kwargs = {} if weights_only is None else {"weights_only": weights_only}
-        try:
-            checkpoint = super().load_checkpoint(checkpoint_path, **kwargs)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(
-                f"checkpoint {checkpoint_path} does not exist on rank {self.global_rank}. Pass the path of a "
-                "checkpoint that every rank can read (Lightning writes them under "
-                "<default_root_dir>/.../checkpoints/), or ckpt_path=None to start from scratch."
-            ) from err
-        except reporting.CHECKPOINT_READ_ERRORS as err:
-            raise validation.unreadable_checkpoint(checkpoint_path, err, self.global_rank) from err
-        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-            raise RuntimeError(
-                f"checkpoint {checkpoint_path} holds no 'state_dict': it is not a Lightning checkpoint. "
-                "Pass a file written by Trainer.fit (ModelCheckpoint), or ckpt_path=None."
-            )
+        """Load a checkpoint on every rank; a missing, unreadable or foreign file raises an error naming the
+        fix (:func:`adasum_lightning.checkpoint.read_checkpoint`)."""
+        kwargs = {} if weights_only is None else {"weights_only": weights_only}  # none before Lightning 2.5
+        load = functools.partial(super().load_checkpoint, checkpoint_path, **kwargs)
         self._checkpoint_path = checkpoint_path  # where the other ranks' optimizer states lie
-        return checkpoint
+        return ckpt.read_checkpoint(load, checkpoint_path, self.global_rank)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Save every rank's own optimizer state: rank 0's in the checkpoint, rank r's beside it in
-        ``<file>.rank<r>-optimizer.pt`` (resuming from rank 0's alone would differ from an uninterrupted run);
-        the world size and learning-rate factor under ``"adasum_rank_optimizer_states"``."""
+        ``<file>.rank<r>-optimizer.pt`` (:mod:`adasum_lightning.checkpoint`), each renamed into place."""
         if "optimizer_states" in checkpoint:
-            record = {"world_size": self.world_size, "lr_factor": self.lr_factor}
-            checkpoint = {**checkpoint, RANK_OPTIMIZER_STATES: record}
-            if not self.is_global_zero:
-                states = {"optimizer_states": checkpoint["optimizer_states"], "rank": self.global_rank}
-                path = rank_optimizer_path(filepath, self.global_rank)
-                self.checkpoint_io.save_checkpoint(states, path, storage_options=storage_options)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            checkpoint = self._with_rank_files(checkpoint, filepath)
+        if self.is_global_zero:
+            in_place = type(self.checkpoint_io) is TorchCheckpointIO
+            ckpt.save_through(self.checkpoint_io, checkpoint, filepath, storage_options, in_place)
+
+    def _with_rank_files(self, checkpoint: dict[str, Any], filepath: Any) -> dict[str, Any]:
+        """Write this rank's file (ranks ≥ 1); the checkpoint with the world size, learning-rate factor and
+        the save's identity (a broadcast: every rank saves)."""
+        identity = ckpt.save_identity(checkpoint.get("global_step"), self.broadcast)
+        if not self.is_global_zero:
+            ckpt.save_rank_file(filepath, self.global_rank, checkpoint["optimizer_states"], identity)
+        record = {"world_size": self.world_size, "lr_factor": self.lr_factor}
+        return {**checkpoint, ckpt.RANK_OPTIMIZER_STATES: record, ckpt.SAVE_IDENTITY: identity}
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
         if not self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(rank_optimizer_path(filepath, self.global_rank))
+            ckpt.remove_rank_file(filepath, self.global_rank)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Each rank restores its own optimizer state when the checkpoint has every rank's.
-
-        At the saved world size rank r takes its own state; at another world size rank r takes old rank
-        ``r mod N_old``'s (4 → 2: ranks 0, 1 keep theirs; 2 → 4: ranks 2, 3 take those of ranks 0, 1). A
-        checkpoint without them (written by an older version, by ``strategy="ddp"``, or at world size 1) gives
-        every rank rank 0's state, as in Lightning; so does a missing rank file, with a warning on that rank.
-        """
-        record = checkpoint.get(RANK_OPTIMIZER_STATES)
+        """Each rank restores its own optimizer state when the checkpoint has every rank's (new rank r: old
+        rank ``r mod N_old``'s); a checkpoint without them (an older version, ``strategy="ddp"``, world size
+        1) gives every rank rank 0's, as in Lightning, and so does a missing rank file, with a warning."""
+        record = checkpoint.get(ckpt.RANK_OPTIMIZER_STATES)
         if record is not None:
             self._resumed_lr_factor = record.get("lr_factor")
-            source = self.global_rank % int(record["world_size"])
-            if source != 0:
-                checkpoint = {
-                    **checkpoint,
-                    "optimizer_states": self._rank_optimizer_states(source, checkpoint),
-                }
+            checkpoint = {**checkpoint, "optimizer_states": self._own_optimizer_states(checkpoint, record)}
         super().load_optimizer_state_dict(checkpoint)
 
-    def _rank_optimizer_states(self, source: int, checkpoint: Any) -> list[Any]:
-        path = rank_optimizer_path(os.path.realpath(str(self._checkpoint_path)), source)
-        try:
-            return self.checkpoint_io.load_checkpoint(path)["optimizer_states"]
-        except FileNotFoundError:
+    #: A missing rank file resumes that rank from rank 0's optimizer state (a whole state), with a warning.
+    _rank_file_fallback = True
+
+    def _own_optimizer_states(self, checkpoint: Any, record: dict[str, Any]) -> Any:
+        """Old rank ``r mod N_old``'s saved states, checked against the checkpoint on every rank."""
+        source = ckpt.source_rank(self.global_rank, record["world_size"])
+        path = os.path.realpath(str(self._checkpoint_path))
+        identity = checkpoint.get(ckpt.SAVE_IDENTITY)
+        states = ckpt.load_rank_optimizer_states(
+            path, source, self.global_rank, identity, fallback=self._rank_file_fallback
+        )
+        if source != 0 and states is None:
             warnings.warn(
-                f"[rank {self.global_rank}] {path} is missing (the optimizer state of rank {source} when the "
-                "checkpoint was saved): this rank resumes from rank 0's optimizer state instead. Keep the "
-                "<checkpoint>.rank<r>-optimizer.pt files beside the checkpoint when you copy it.",
+                f"[rank {self.global_rank}] {ckpt.rank_optimizer_path(path, source)} is missing (the "
+                f"optimizer state of rank {source} when the checkpoint was saved): this rank resumes from "
+                "rank 0's optimizer state instead. Keep the <checkpoint>.rank<r>-optimizer.pt files beside "
+                "the checkpoint when you copy it.",
                 stacklevel=2,
             )
-            return checkpoint["optimizer_states"]
+        return checkpoint["optimizer_states"] if states is None else states
 
     @override
     def on_exception(self, exception: BaseException) -> None:

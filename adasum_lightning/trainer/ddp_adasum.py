@@ -21,10 +21,11 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import adasum_lightning.checkpoint as ckpt
 from adasum_lightning import validation
 from adasum_lightning._strategy_parts import check_launcher_world_size, close_windows, periodic_sync
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.local_sgd import PERIODIC_SYNC_STATES, PeriodicSync
+from adasum_lightning.local_sgd import PeriodicSync
 from adasum_lightning.step import PER_PARAMETER_OPTIMIZERS, BackwardAdasumStep
 
 from . import _compat
@@ -294,17 +295,13 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     ) -> None:
         """The checkpoint also records each optimizer's window position and outer optimizer state."""
         if self._periodic and "optimizer_states" in checkpoint:
-            states = []
-            for optimizer in self.optimizers:
-                built = self._periodic.get(id(_compat.unwrap_lightning_optimizer(optimizer)))
-                state = built.state_dict() if built is not None else {"steps": 0, "outer_optimizer": None}
-                states.append({**state, "synced": None})  # the parameters themselves, after the sync
-            checkpoint = {**checkpoint, PERIODIC_SYNC_STATES: states}
+            windows = [self._periodic.get(id(_compat.unwrap_lightning_optimizer(o))) for o in self.optimizers]
+            checkpoint = {**checkpoint, ckpt.PERIODIC_SYNC_STATES: ckpt.window_states(windows)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self._restored_periodic = checkpoint.get(PERIODIC_SYNC_STATES)
+        self._restored_periodic = checkpoint.get(ckpt.PERIODIC_SYNC_STATES)
         close_windows(self._periodic)
         super().load_optimizer_state_dict(checkpoint)
 

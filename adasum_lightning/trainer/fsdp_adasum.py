@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -19,39 +18,30 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import adasum_lightning.checkpoint as ckpt
 from adasum_lightning import reporting, validation
 from adasum_lightning._strategy_parts import (
-    SHARDED_OPTIMIZER_MESH,
     ReplicaMesh,
     check_launcher_world_size,
     make_parameters_contiguous,
 )
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.sharded import (
-    SHARDED_META,
     broadcast_module_from_rank_zero,
     full_state_dict,
     load_full_state_dict,
-    load_sharded_model_state,
-    load_sharded_optimizer_state,
     local_shards,
     optimizer_state_to_local,
     optimizer_state_to_shards,
-    save_sharded_checkpoint,
     shard_module,
     sharded_adasum_step,
-    sharded_model_state,
-    sharded_optimizer_entries,
 )
 from adasum_lightning.step import optimizer_parameters
 
 from . import _compat
-from ._base import RANK_OPTIMIZER_STATES, UpdateReducingDDPStrategy
+from ._base import UpdateReducingDDPStrategy
 
-__all__ = ["FSDPAdasumStrategy", "SHARDED_OPTIMIZER_MESH", "SHARDED_LAYOUTS"]
-
-#: The key of a sharded checkpoint's ``meta.pt`` that holds each optimizer's state layout.
-SHARDED_LAYOUTS = "adasum_sharded_optimizer_layouts"
+__all__ = ["FSDPAdasumStrategy"]
 
 
 class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
@@ -144,7 +134,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         )
         self.shard_size = shard_size
         self.mp_policy = mp_policy
-        self.state_dict_type = validation.check_state_dict_type(state_dict_type, self.strategy_name)
+        self.state_dict_type = ckpt.check_state_dict_type(state_dict_type, self.strategy_name)
         self.compression = compression
         self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
         self._sharded_path: Any = None  # the folder of the sharded checkpoint being restored
@@ -238,7 +228,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         ``state_dict_type="sharded"`` the shards themselves."""
         assert self.lightning_module is not None
         if self.state_dict_type == "sharded":
-            return sharded_model_state(self.lightning_module, keep_plain=self.is_global_zero)
+            return ckpt.sharded_model_state(self.lightning_module, keep_plain=self.is_global_zero)
         shard_group = self.shard_group if self._device_mesh is not None else None
         return full_state_dict(self.lightning_module, shard_group)
 
@@ -259,7 +249,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
             self._save_sharded(checkpoint, filepath)
             return
         if "optimizer_states" in checkpoint and self._device_mesh is not None:
-            checkpoint = {**checkpoint, SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
+            checkpoint = {**checkpoint, ckpt.SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
@@ -273,21 +263,22 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         replica = self.device_mesh.get_local_rank("replicate")
         for i, optimizer in enumerate(self.optimizers if "optimizer_states" in checkpoint else []):
             local = _compat.unwrap_lightning_optimizer(optimizer)
-            entries, layout = sharded_optimizer_entries(local, names, f"optimizer{i}.replica{replica}")
+            entries, layout = ckpt.sharded_optimizer_entries(local, names, f"optimizer{i}.replica{replica}")
             tensors.update(entries)
             layouts.append(layout)
             param_groups.append(checkpoint["optimizer_states"][i]["param_groups"])
+        identity = ckpt.save_identity(checkpoint.get("global_step"), self.broadcast)
         meta = None
         if self.is_global_zero:
-            meta = {**checkpoint, SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
+            meta = {**checkpoint, ckpt.SHARDED_OPTIMIZER_MESH: list(self.mesh_shape)}
             if layouts:
                 record = {"world_size": self.world_size, "lr_factor": self.lr_factor}
                 meta |= {
                     "optimizer_states": param_groups,
-                    SHARDED_LAYOUTS: layouts,
-                    RANK_OPTIMIZER_STATES: record,
+                    ckpt.SHARDED_LAYOUTS: layouts,
+                    ckpt.RANK_OPTIMIZER_STATES: record,
                 }
-        save_sharded_checkpoint(filepath, tensors, meta)
+        ckpt.save_sharded(filepath, tensors, meta, identity)
 
     def _parameter_names(self) -> dict[int, str]:
         assert self.lightning_module is not None
@@ -295,14 +286,12 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A full checkpoint as ``ddp_adasum``'s; a sharded one (a folder): its ``meta.pt``, the tensors read
-        when the model and the optimizers are restored."""
-        if not os.path.isdir(checkpoint_path):
-            self._sharded_path = None
+        """A full checkpoint as ``ddp_adasum``'s; a sharded one (a folder): its ``meta.pt`` once its files are
+        checked, the tensors read when the model and the optimizers are restored."""
+        self._sharded_path = checkpoint_path if os.path.isdir(checkpoint_path) else None
+        if self._sharded_path is None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._sharded_path = checkpoint_path
-        kwargs = {} if weights_only is None else {"weights_only": weights_only}
-        meta = self.checkpoint_io.load_checkpoint(os.path.join(checkpoint_path, SHARDED_META), **kwargs)
+        meta = ckpt.read_sharded_meta(checkpoint_path)
         return {**meta, "state_dict": {}}  # the model's tensors: load_model_state_dict
 
     @override
@@ -311,7 +300,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         of the saved shards that its shards cover (a sharded one, saved on any mesh)."""
         assert self.lightning_module is not None
         if self._sharded_path is not None:
-            load_sharded_model_state(self.lightning_module, self._sharded_path, "model.", strict=strict)
+            ckpt.load_sharded_model_state(self.lightning_module, self._sharded_path, "model.", strict=strict)
         else:
             load_full_state_dict(
                 self.lightning_module, checkpoint["state_dict"], self.shard_group, strict=strict
@@ -319,43 +308,41 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """A full checkpoint: each rank its own saved shard (same mesh only), or its chunk of a whole saved
-        state (a checkpoint of ``ddp_adasum``). A sharded one, saved on a ``R_old × S_old`` mesh: replica
-        group ``q`` takes group ``q mod R_old``'s optimizer state, resharded to this mesh's shard size. The
-        tensors become ``DTensor`` shards like their parameters.
-
-        Raises:
-            AdasumConfigurationError: a full checkpoint of optimizer shards saved on another mesh.
-        """
+        """A full checkpoint: each rank its own saved shard (same mesh only, else AdasumConfigurationError;
+        never another rank's), or its chunk of a whole saved state (``ddp_adasum``'s); a sharded one:
+        :meth:`_load_sharded_optimizers`."""
         if self._sharded_path is not None:
-            self._load_sharded_optimizers(checkpoint)
-            return
-        saved_mesh = checkpoint.get(SHARDED_OPTIMIZER_MESH)
-        if saved_mesh is not None:
-            with reporting.reported_on_every_rank(self.global_rank):
-                validation.check_resume_mesh(saved_mesh, self.mesh_shape, self.strategy_name)
+            return self._load_sharded_optimizers(checkpoint)
+        saved_mesh = checkpoint.get(ckpt.SHARDED_OPTIMIZER_MESH)
+        with reporting.reported_on_every_rank(self.global_rank):
+            ckpt.check_resume_mesh(saved_mesh or self.mesh_shape, self.mesh_shape, self.strategy_name)
+        self._rank_file_fallback = saved_mesh is None  # a whole state stands in for another; a shard does not
         super().load_optimizer_state_dict(checkpoint)
         for optimizer in self.optimizers:
             local = _compat.unwrap_lightning_optimizer(optimizer)
             optimizer_state_to_shards(local, self.shard_group, whole=saved_mesh is None)
 
     def _load_sharded_optimizers(self, checkpoint: Any) -> None:
-        record = checkpoint.get(RANK_OPTIMIZER_STATES) or {}
+        """Replica group ``q`` takes saved group ``q mod R_old``'s optimizer state, resharded to this mesh."""
+        record = checkpoint.get(ckpt.RANK_OPTIMIZER_STATES) or {}
         self._resumed_lr_factor = record.get("lr_factor")
-        source = self.device_mesh.get_local_rank("replicate") % int(checkpoint[SHARDED_OPTIMIZER_MESH][0])
+        replica = self.device_mesh.get_local_rank("replicate")
+        source = ckpt.source_rank(replica, checkpoint[ckpt.SHARDED_OPTIMIZER_MESH][0])
         names = self._parameter_names()
-        layouts, param_groups = checkpoint[SHARDED_LAYOUTS], checkpoint["optimizer_states"]
+        layouts, param_groups = checkpoint[ckpt.SHARDED_LAYOUTS], checkpoint["optimizer_states"]
         for i, optimizer in enumerate(self.optimizers):
             local = _compat.unwrap_lightning_optimizer(optimizer)
             key = f"optimizer{i}.replica{source}"
-            load_sharded_optimizer_state(local, names, self._sharded_path, key, layouts[i], param_groups[i])
+            ckpt.load_sharded_optimizer_state(
+                local, names, self._sharded_path, key, layouts[i], param_groups[i]
+            )
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if not os.path.isdir(filepath):
             super().remove_checkpoint(filepath)
         elif self.is_global_zero:
-            shutil.rmtree(filepath)
+            ckpt.remove_sharded(filepath)
 
     # ------------------------------------------------------------------------------------------ teardown
     @override

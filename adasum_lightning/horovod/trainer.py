@@ -29,7 +29,6 @@ from adasum_lightning.horovod.process import HorovodProcess
 from adasum_lightning.trainer._base import UpdateReducingDDPStrategy
 from adasum_lightning.trainer._compat import (
     mark_step_for_schedulers,
-    unwrap_lightning_optimizer,
 )
 
 __all__ = ["HorovodStrategy", "HorovodAdasumStrategy"]
@@ -124,13 +123,12 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
         Adasum: Horovod's ``step()`` runs the closure, whose backward hooks ran the local steps and started
         the delta allreduce, then applies the reduced deltas.
         """
-        hvd_optimizer = unwrap_lightning_optimizer(optimizer)
-        if _compat.is_horovod_adasum_optimizer(hvd_optimizer):
+        if _compat.is_horovod_adasum_optimizer(optimizer):
             return self._local_step(optimizer, closure, model, kwargs)
         # Lightning's own closure returns the loss it logs: averaged only for an optimizer that decides by it
-        average = support.needs_closure(hvd_optimizer)
-        evaluate = self._closure_then_synchronize(hvd_optimizer, closure, average, self.reduce)
-        with hvd_optimizer.skip_synchronize():
+        average = support.needs_closure(optimizer)
+        evaluate = self._closure_then_synchronize(optimizer, closure, average, self.reduce)
+        with optimizer.skip_synchronize():
             return self._local_step(optimizer, evaluate, model, kwargs)
 
     @override

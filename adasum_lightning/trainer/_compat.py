@@ -23,7 +23,6 @@ __all__ = [
     "configure_optimizers",
     "configure_schedulers",
     "sync_module_states",
-    "unwrap_lightning_optimizer",
     "layer_sync",
     "process_group_timeout",
     "has_sigterm_agreement",
@@ -122,11 +121,6 @@ def layer_sync(strategy: Any) -> Any:
 def process_group_timeout(strategy: Any) -> Any:
     """The ``timeout`` a DDP strategy gives its process group (``DDPStrategy(timeout=...)``)."""
     return strategy._timeout
-
-
-def unwrap_lightning_optimizer(optimizer: Any) -> Optimizer:
-    """The optimizer inside a ``LightningOptimizer`` (the argument itself otherwise)."""
-    return getattr(optimizer, "_optimizer", optimizer)
 
 
 def run_closure(precision_plugin: Any, model: Any, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:

@@ -178,9 +178,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         self, optimizer: Any, closure: Callable[[], Any], model: Any, kwargs: dict[str, Any]
     ) -> Any:
         """Lightning's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
-        local_optimizer = _compat.unwrap_lightning_optimizer(optimizer)
         overlap = self.overlap_backward and self._overlap_group is not None
-        backward_step = self._backward_step(local_optimizer) if overlap else None
+        backward_step = self._backward_step(optimizer) if overlap else None
         if backward_step is not None and not kwargs:
             # the closure's backward steps and reduces the buckets (the optimizer's own step is not called)
             backward_step.armed = True
@@ -193,14 +192,14 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             backward_step.finish()
             return output
         local_step = functools.partial(self._local_step, optimizer, closure, model, kwargs)
-        return self._periodic_sync(local_optimizer).step(local_step)
+        return self._periodic_sync(optimizer).step(local_step)
 
     def _periodic_sync(self, optimizer: Optimizer) -> PeriodicSync:
         """``optimizer``'s windows, built at its first step (after the broadcast and a checkpoint restore)."""
         built = self._periodic.get(id(optimizer))
         if built is not None:
             return built
-        index = [_compat.unwrap_lightning_optimizer(o) for o in self.optimizers].index(optimizer)
+        index = [o for o in self.optimizers].index(optimizer)
         restored = self._restored_periodic or []
         state = restored[index] if index < len(restored) else None
         timeout = _compat.process_group_timeout(self)
@@ -295,7 +294,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     ) -> None:
         """The checkpoint also records each optimizer's window position and outer optimizer state."""
         if self._periodic and "optimizer_states" in checkpoint:
-            windows = [self._periodic.get(id(_compat.unwrap_lightning_optimizer(o))) for o in self.optimizers]
+            windows = [self._periodic.get(id(o)) for o in self.optimizers]
             checkpoint = {**checkpoint, ckpt.PERIODIC_SYNC_STATES: ckpt.window_states(windows)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

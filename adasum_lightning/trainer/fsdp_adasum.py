@@ -178,7 +178,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     ) -> Any:
         """Lightning's local step in this replica group (FSDP2), then the Adasum of the deltas across the
         groups (see the class)."""
-        params = optimizer_parameters(_compat.unwrap_lightning_optimizer(optimizer))
+        params = optimizer_parameters(optimizer)
         with reporting.reported_on_every_rank(self.global_rank):
             local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(self._local_step, optimizer, closure, model, kwargs)
@@ -262,8 +262,9 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         layouts, param_groups = [], []
         replica = self.device_mesh.get_local_rank("replicate")
         for i, optimizer in enumerate(self.optimizers if "optimizer_states" in checkpoint else []):
-            local = _compat.unwrap_lightning_optimizer(optimizer)
-            entries, layout = ckpt.sharded_optimizer_entries(local, names, f"optimizer{i}.replica{replica}")
+            entries, layout = ckpt.sharded_optimizer_entries(
+                optimizer, names, f"optimizer{i}.replica{replica}"
+            )
             tensors.update(entries)
             layouts.append(layout)
             param_groups.append(checkpoint["optimizer_states"][i]["param_groups"])
@@ -319,8 +320,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         self._rank_file_fallback = saved_mesh is None  # a whole state stands in for another; a shard does not
         super().load_optimizer_state_dict(checkpoint)
         for optimizer in self.optimizers:
-            local = _compat.unwrap_lightning_optimizer(optimizer)
-            optimizer_state_to_shards(local, self.shard_group, whole=saved_mesh is None)
+            optimizer_state_to_shards(optimizer, self.shard_group, whole=saved_mesh is None)
 
     def _load_sharded_optimizers(self, checkpoint: Any) -> None:
         """Replica group ``q`` takes saved group ``q mod R_old``'s optimizer state, resharded to this mesh."""
@@ -331,10 +331,9 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         names = self._parameter_names()
         layouts, param_groups = checkpoint[ckpt.SHARDED_LAYOUTS], checkpoint["optimizer_states"]
         for i, optimizer in enumerate(self.optimizers):
-            local = _compat.unwrap_lightning_optimizer(optimizer)
             key = f"optimizer{i}.replica{source}"
             ckpt.load_sharded_optimizer_state(
-                local, names, self._sharded_path, key, layouts[i], param_groups[i]
+                optimizer, names, self._sharded_path, key, layouts[i], param_groups[i]
             )
 
     @override

@@ -379,6 +379,9 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_
     print(f"cut at step {at_cut}; resumed from step {resumed}; training again {again:.1f} s after the cut")
     assert at_cut - 5 <= resumed <= at_cut, (at_cut, resumed)  # at most one checkpoint interval lost
     assert again <= ELASTIC_RECOVERY_LIMIT_S, again
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    line = f"DDPAdasumStrategy: resumed from {last} at step {resumed} (world size 4 -> 2; torchrun restart 1)"
+    assert line in log, log[-6000:]
     ranks = load_ranks(tmp_path, 2)
     for r, res in enumerate(ranks):
         assert res["trainer"]["world_size"] == 2 and res["trainer"]["global_step"] == 60, r

@@ -108,6 +108,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         self.uneven_inputs = validation.check_uneven_inputs(uneven_inputs, self.strategy_name)
         self._uneven_warned = False
         self._checkpoint_path: Any = None
+        #: The world size that saved the checkpoint being resumed (None: none, or not recorded).
+        self._resumed_world_size: int | None = None
         self._resumed_lr_factor: float | None = None
         #: The learning-rate factor applied when fitting started (None before).
         self.lr_factor: float | None = None
@@ -165,8 +167,23 @@ class UpdateReducingDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._report_resume()
         self._rescale_resumed_learning_rates()
         self._defer_sigterm_to_step_end()
+
+    def _report_resume(self) -> None:
+        """Rank 0's line after a resume: the file, the step, the world size before and now, and torchrun's
+        restart count (an elastic restart)."""
+        if self._checkpoint_path is None:
+            return
+        old = "?" if self._resumed_world_size is None else self._resumed_world_size
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        rank_zero_info(
+            f"{type(self).__name__}: resumed from {self._checkpoint_path} at step "
+            f"{self.lightning_module.trainer.global_step} (world size {old} -> {self.world_size}"
+            + (f"; torchrun restart {restart}" if restart != "0" else "")
+            + "); the steps since that checkpoint were lost"
+        )
 
     def _rescale_resumed_learning_rates(self) -> None:
         """A run resumed at another world size gets the learning rates restored for the old one (scaled by the
@@ -271,7 +288,9 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         kwargs = {} if weights_only is None else {"weights_only": weights_only}  # none before Lightning 2.5
         load = functools.partial(super().load_checkpoint, checkpoint_path, **kwargs)
         self._checkpoint_path = checkpoint_path  # where the other ranks' optimizer states lie
-        return ckpt.read_checkpoint(load, checkpoint_path, self.global_rank)
+        checkpoint = ckpt.read_checkpoint(load, checkpoint_path, self.global_rank)
+        self._resumed_world_size = (checkpoint.get(ckpt.RANK_OPTIMIZER_STATES) or {}).get("world_size")
+        return checkpoint
 
     @override
     def save_checkpoint(

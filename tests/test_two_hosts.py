@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from adasum_lightning.fault_tolerance import (
     DDP_PROCESS_GROUP_TIMEOUT,
@@ -385,4 +386,9 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_
     ranks = load_ranks(tmp_path, 2)
     for r, res in enumerate(ranks):
         assert res["trainer"]["world_size"] == 2 and res["trainer"]["global_step"] == 60, r
+        # the resumed epoch starts over: rank r reads its shard of the new world from the epoch's start (the
+        # same seed and epoch), in batches of 4, for the steps left
+        sampler = DistributedSampler(range(100000), num_replicas=2, rank=r, shuffle=True, seed=100)
+        sampler.set_epoch(0)
+        assert res["indices"] == list(sampler)[: 4 * (60 - resumed)], (r, res["indices"][:8])
     assert_identical_parameters(ranks)

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 __all__ = [
     "NAMESPACES",
@@ -31,6 +32,7 @@ __all__ = [
     "installed",
     "strategies_for",
     "resolve",
+    "register",
     "register_when_imported",
 ]
 
@@ -148,6 +150,13 @@ def missing_lightning_message() -> str:
 def _register(namespace: Namespace) -> None:
     # Importing the strategies registers them (the subpackage's last lines); an import in progress ends it.
     strategies_for(namespace)
+
+
+def register(strategy_registry: Any, strategy: type) -> None:
+    """Add ``strategy`` to a Lightning strategy registry under its ``strategy_name``, described by the first
+    line of its docstring (replacing an earlier entry of that name)."""
+    description = (strategy.__doc__ or "").splitlines()[0]
+    strategy_registry.register(strategy.strategy_name, strategy, description=description, override=True)
 
 
 def register_when_imported() -> None:

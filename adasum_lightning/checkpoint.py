@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from adasum_lightning.validation import AdasumConfigurationError
+from adasum_lightning.errors import AdasumConfigurationError
 
 __all__ = [
     "IncompleteCheckpointError",

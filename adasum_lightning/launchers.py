@@ -1,4 +1,5 @@
-"""What the process launcher told this process, read from the environment (no Horovod, no Lightning).
+"""What the process launcher told this process, read from the environment (no Horovod, no Lightning), and
+the rule that the processes it started are the ones the ``Trainer`` (or ``Fabric``) describes.
 
 Open MPI sets ``OMPI_COMM_WORLD_*``, ``horovodrun --gloo`` ``HOROVOD_*``, MPICH / Intel MPI ``PMI_*``;
 ``torchrun``, Lightning, SLURM's ``srun`` and Azure ML PyTorch jobs set ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``
@@ -10,6 +11,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from adasum_lightning.errors import AdasumConfigurationError
+from adasum_lightning.reporting import reported_on_every_rank
 
 __all__ = [
     "DetectedLauncher",
@@ -18,6 +23,8 @@ __all__ = [
     "launcher_world_size",
     "launcher_local_rank",
     "launcher_local_size",
+    "check_launcher_world_size",
+    "check_strategy_world_size",
 ]
 
 # Variables of the launchers of Horovod jobs, in order of preference: Horovod's own, Open MPI, PMI.
@@ -103,3 +110,49 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> DetectedLaunche
         if applies and processes is not None:
             return DetectedLauncher(name, processes, variable, horovod)
     return None
+
+
+def check_launcher_world_size(
+    launcher_world_size: int,
+    devices: int,
+    num_nodes: int,
+    api: str = "Trainer",
+    strategy_name: str = "ddp_adasum",
+) -> None:
+    """The processes a launcher started must be the ``Trainer``'s (or ``Fabric``'s) ``devices × num_nodes``.
+
+    Lightning's generic cluster environment does not compare them with ``WORLD_SIZE``: a mismatch gives
+    duplicate ranks or a rendezvous that waits forever.
+
+    Raises:
+        AdasumConfigurationError: ``launcher_world_size`` ≠ ``devices × num_nodes``; the message names both.
+    """
+    if launcher_world_size != devices * num_nodes:
+        raise AdasumConfigurationError(
+            f"{strategy_name}: the launcher started {launcher_world_size} processes "
+            f"(WORLD_SIZE={launcher_world_size}), but "
+            f"the {api} describes devices={devices} × num_nodes={num_nodes} = {devices * num_nodes}. Set "
+            f"{api}(devices=<processes per node>, num_nodes=<nodes>) to match the launch."
+        )
+
+
+def check_strategy_world_size(strategy: Any, api: str) -> None:
+    """Under an outside launcher that sets ``WORLD_SIZE`` (torchrun, SLURM, Azure ML), check that
+    ``devices × num_nodes`` describes it; call before the rendezvous, which a mismatch would leave waiting.
+
+    Raises:
+        AdasumConfigurationError: on every rank, naming the ``devices``/``num_nodes`` that match.
+    """
+    environment = strategy.cluster_environment
+    if environment is None or not environment.creates_processes_externally:
+        return
+    world_size = os.environ.get("WORLD_SIZE", "")
+    if world_size.isdigit():
+        with reported_on_every_rank(strategy.global_rank):
+            check_launcher_world_size(
+                int(world_size),
+                strategy.num_processes,
+                strategy.num_nodes,
+                api=api,
+                strategy_name=strategy.strategy_name,
+            )

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-__all__ = ["LR_KEYS", "check_lr_scaling", "lr_factor", "scale_learning_rates"]
+__all__ = ["LR_KEYS", "check_lr_scaling", "lr_factor", "scale_learning_rates", "scaled_learning_rate_message"]
 
 #: Param-group keys that hold a learning rate: torch's optimizers use ``"lr"``; schedulers keep their own
 #: copies (``"initial_lr"`` for every LRScheduler, ``"max_lr"``/``"min_lr"`` for OneCycleLR).
@@ -68,3 +68,12 @@ def lr_factor(lr_scaling: str | float, auto: Callable[[], float]) -> float:
     if lr_scaling == "auto":
         return auto()
     return float(lr_scaling)
+
+
+def scaled_learning_rate_message(strategy_name: str, factor: float) -> str:
+    """The warning when a strategy multiplied the learning rates the module (or ``Tuner.lr_find``) set."""
+    return (
+        f"{strategy_name} multiplied every learning rate by {factor:g} (lr_scaling): the rates your "
+        f"configure_optimizers returns (a Tuner.lr_find suggestion included) train {factor:g}× larger. Pass "
+        f"lr_scaling='none' to train with them as they are."
+    )

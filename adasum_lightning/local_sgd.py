@@ -5,11 +5,14 @@ the last sync θ_sync. Then the pseudo-gradients Δ_r = θ_r − θ_sync are com
 per parameter tensor (:func:`adasum_lightning.allreduce.adasum_allreduce_flat`) or by their mean — and every
 rank sets θ_sync ← θ_sync + combined Δ, or lets an outer optimizer step θ_sync with −(combined Δ) as its
 gradient (DiLoCo: Douillard et al., 2023, https://arxiv.org/abs/2311.08105; torchft's ``local_sgd.py``).
-Each rank keeps its own inner optimizer state; the outer state is the same on every rank.
+Each rank keeps its own inner optimizer state; the outer state is the same on every rank. Here too: the rules
+of the options (``sync_every``, ``combine``, ``outer_optimizer``) and the strategies' windows
+(:func:`periodic_sync`).
 """
 
 from __future__ import annotations
 
+import numbers
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,14 +26,131 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from adasum_lightning.allreduce import adasum_allreduce_flat, mean_allreduce_flat, workspace
-from adasum_lightning.step import adasum_step, world_size
+from adasum_lightning.errors import AdasumConfigurationError
+from adasum_lightning.reporting import reported_on_every_rank
+from adasum_lightning.step import adasum_step, optimizer_parameters, world_size
 
-__all__ = ["COMBINES", "PeriodicSync"]
+__all__ = [
+    "COMBINES",
+    "PeriodicSync",
+    "check_sync_every",
+    "check_outer_optimizer_form",
+    "check_outer_optimizer",
+    "local_sgd_without_outer_message",
+    "periodic_sync",
+    "close_windows",
+]
 
 #: The ways the ranks' pseudo-gradients are combined.
 COMBINES = ("adasum", "mean")
 
 T = TypeVar("T")
+
+
+def check_sync_every(
+    sync_every: object,
+    combine: object,
+    owner: str,
+    overlap_backward: bool = False,
+    outer_optimizer: bool = False,
+    overlap_sync: bool = False,
+) -> None:
+    """``sync_every`` is a whole number ≥ 1 and ``combine`` one of ``"adasum"``, ``"mean"``;
+    ``overlap_backward`` (the Adasum of every step, during backward) goes with neither a window of several
+    steps, nor the mean, nor an outer optimizer; ``overlap_sync`` needs windows of several steps and no
+    ``overlap_backward``.
+
+    Raises:
+        AdasumConfigurationError: the value that is off and the accepted ones.
+    """
+    if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
+        raise AdasumConfigurationError(
+            f"{owner}'s sync_every is the number of local optimizer steps between syncs, a whole number ≥ 1 "
+            f"(1: combine every step), got {sync_every!r}"
+        )
+    if combine not in ("adasum", "mean"):
+        raise AdasumConfigurationError(
+            f"{owner}'s combine is 'adasum' (orthogonal pseudo-gradients add, parallel ones average) or "
+            f"'mean' (their average, as local SGD and DiLoCo do), got {combine!r}"
+        )
+    if overlap_sync and overlap_backward:
+        raise AdasumConfigurationError(
+            f"{owner}: overlap_sync=True and overlap_backward=True overlap different exchanges; pass one of "
+            "them (overlap_sync with sync_every > 1, overlap_backward with sync_every=1)."
+        )
+    if overlap_sync and sync_every == 1:
+        raise AdasumConfigurationError(
+            f"{owner}: overlap_sync=True runs a window's exchange during the next window, which sync_every=1 "
+            "does not have: pass sync_every > 1, or overlap_sync=False."
+        )
+    if overlap_backward and (sync_every > 1 or combine != "adasum" or outer_optimizer):
+        given = f"sync_every={sync_every}" if sync_every > 1 else f"combine={combine!r}"
+        given = "an outer optimizer" if sync_every == 1 and combine == "adasum" else given
+        raise AdasumConfigurationError(
+            f"{owner}: overlap_backward=True combines every step by Adasum during backward, which {given} "
+            "does not: pass overlap_backward=False with local SGD (sync_every, combine, outer_optimizer)."
+        )
+
+
+#: The outer optimizer as the strategies take it (``builder``), and as ``AdasumOptimizer`` takes it.
+_OUTER_OPTIMIZER_FORMS = {
+    True: "a callable such as functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True)",
+    False: "an optimizer over the same parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.1, "
+    "momentum=0.9, nesterov=True)",
+}
+
+
+def check_outer_optimizer_form(owner: str, outer: object, builder: bool) -> None:
+    """``outer_optimizer`` of the strategies (``builder``) is a callable that builds the outer optimizer from
+    the parameters; of ``AdasumOptimizer``, an optimizer. None (no outer optimizer) is fine for both. An
+    optimizer class is neither: it would step with its default learning rate (SGD's 0.001).
+
+    Raises:
+        AdasumConfigurationError: the other form, a class, or neither; the message shows the right one.
+    """
+    if outer is None:
+        return
+    if isinstance(outer, type) and issubclass(outer, torch.optim.Optimizer):
+        raise AdasumConfigurationError(
+            f"{owner}'s outer_optimizer is the class {outer.__name__}, which would step with its default "
+            f"learning rate: pass {_OUTER_OPTIMIZER_FORMS[builder]}, the outer learning rate named"
+        )
+    is_optimizer = isinstance(outer, torch.optim.Optimizer)
+    if builder and (is_optimizer or not callable(outer)):
+        raise AdasumConfigurationError(
+            f"{owner}'s outer_optimizer builds the outer optimizer from an optimizer's parameters (one per "
+            f"optimizer, at its first step): pass {_OUTER_OPTIMIZER_FORMS[True]}, got {type(outer).__name__}"
+        )
+    if not builder and not is_optimizer:
+        raise AdasumConfigurationError(
+            f"{owner}'s outer_optimizer is {_OUTER_OPTIMIZER_FORMS[False]}, got {type(outer).__name__}"
+        )
+
+
+def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int], builder: bool) -> None:
+    """The outer optimizer steps exactly the inner optimizer's parameters (``inner``, ``outer``: their ids);
+    ``builder``: the strategies built it from them (else ``AdasumOptimizer`` was given it).
+
+    Raises:
+        AdasumConfigurationError: naming how many parameters differ and the form ``owner`` takes.
+    """
+    missing, extra = len(set(inner) - set(outer)), len(set(outer) - set(inner))
+    if missing or extra:
+        raise AdasumConfigurationError(
+            f"{owner}: the outer optimizer must step the same parameters as the inner one ({missing} of the "
+            f"inner optimizer's parameters missing, {extra} others): pass {_OUTER_OPTIMIZER_FORMS[builder]}"
+            f"{', which builds it from them' if builder else ''}."
+        )
+
+
+def local_sgd_without_outer_message(owner: str, sync_every: int) -> str:
+    """The warning for the Adasum of windows of several steps applied without an outer optimizer."""
+    return (
+        f"{owner}: sync_every={sync_every} with combine='adasum' and no outer optimizer adds the Adasum of "
+        "many-step pseudo-gradients at once, which overshoots (docs/local_sgd.md): pass an outer optimizer "
+        "with a small learning rate, e.g. functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, "
+        "nesterov=True), or combine='mean'."
+    )
 
 
 class PeriodicSync:
@@ -287,6 +407,53 @@ class PeriodicSync:
 
     def _copy(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.params]
+
+
+def periodic_sync(
+    strategy: Any,
+    optimizer: Optimizer,
+    restored: dict[str, Any] | None,
+    timeout: timedelta | None,
+    overlap_group: dist.ProcessGroup | None,
+) -> PeriodicSync:
+    """``optimizer``'s local-SGD windows under ``strategy``'s ``sync_every``, ``combine``, ``outer_optimizer``
+    (None, or a callable that builds it from the parameters), ``wire_dtype`` and ``overlap_sync`` (its
+    exchanges on ``overlap_group``), restored from ``restored``.
+
+    Raises:
+        AdasumConfigurationError: on every rank, an outer optimizer over other parameters.
+    """
+    params = optimizer_parameters(optimizer)
+    outer = None
+    if strategy.outer_optimizer is not None:
+        outer = strategy.outer_optimizer(params)
+        with reported_on_every_rank(strategy.global_rank):
+            check_outer_optimizer(
+                strategy.strategy_name,
+                [id(p) for p in params],
+                [id(p) for p in optimizer_parameters(outer)],
+                builder=True,
+            )
+    built = PeriodicSync(
+        params,
+        strategy.sync_every,
+        strategy.combine,
+        outer,
+        timeout=timeout,
+        wire_dtype=strategy.wire_dtype,
+        overlap_sync=strategy.overlap_sync,
+        overlap_group=overlap_group,
+    )
+    if restored is not None:
+        built.load_state_dict(restored)
+    return built
+
+
+def close_windows(windows: dict[int, PeriodicSync]) -> None:
+    """End the worker threads of ``windows`` (:meth:`PeriodicSync.close`) and forget them."""
+    for built in windows.values():
+        built.close()
+    windows.clear()
 
 
 #: One dtype and device's pseudo-gradients: (parameter indices, offsets in the buffer, the flat buffer).

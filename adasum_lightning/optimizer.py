@@ -13,18 +13,37 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from adasum_lightning import validation
-from adasum_lightning.local_sgd import PeriodicSync
-from adasum_lightning.sharded import (
-    broadcast_from_replica_zero,
-    local_shards,
-    replica_groups,
-    sharded_adasum_step,
+from adasum_lightning.local_sgd import (
+    PeriodicSync,
+    check_outer_optimizer,
+    check_outer_optimizer_form,
+    check_sync_every,
+    local_sgd_without_outer_message,
 )
-from adasum_lightning.step import broadcast_from_rank_zero, optimizer_parameters, world_size
-from adasum_lightning.validation import identical_gradients_message
+from adasum_lightning.mesh import broadcast_from_replica_zero, check_mesh_options, replica_groups
+from adasum_lightning.sharded import local_shards, sharded_adasum_step
+from adasum_lightning.step import (
+    broadcast_from_rank_zero,
+    check_wire_compression,
+    optimizer_parameters,
+    world_size,
+)
 
-__all__ = ["AdasumOptimizer"]
+__all__ = ["AdasumOptimizer", "identical_gradients_message"]
+
+
+def identical_gradients_message(owner: str) -> str:
+    """The warning when every rank's first gradients are bitwise identical: Adasum then combines nothing.
+
+    Most often a model still wrapped in ``DistributedDataParallel``, else the same batches on every rank.
+    """
+    return (
+        f"{owner}: every rank's gradients were identical at the first step, so the Adasum of their updates "
+        "is one rank's update and Adasum combines nothing. If the model is wrapped in "
+        "torch.nn.parallel.DistributedDataParallel (it averages the gradients in backward), remove the "
+        "wrapper: train the module itself (model.module) and build the optimizer from its parameters. If "
+        "every rank reads the same batches, give each rank its own shard (DistributedSampler)."
+    )
 
 
 class AdasumOptimizer(Optimizer):
@@ -121,11 +140,11 @@ class AdasumOptimizer(Optimizer):
                 f"timeout is a datetime.timedelta, e.g. timedelta(minutes=5); got {timeout!r} "
                 f"({type(timeout).__name__})"
             )
-        validation.check_sync_every(sync_every, combine, "AdasumOptimizer", overlap_sync=overlap_sync)
-        self.wire_dtype = validation.check_wire_compression(compression, "AdasumOptimizer")
-        validation.check_outer_optimizer_form("AdasumOptimizer", outer_optimizer, builder=False)
+        check_sync_every(sync_every, combine, "AdasumOptimizer", overlap_sync=overlap_sync)
+        self.wire_dtype = check_wire_compression(compression, "AdasumOptimizer")
+        check_outer_optimizer_form("AdasumOptimizer", outer_optimizer, builder=False)
         if outer_optimizer is not None:
-            validation.check_outer_optimizer(
+            check_outer_optimizer(
                 "AdasumOptimizer",
                 [id(p) for p in optimizer_parameters(optimizer)],
                 [id(p) for p in optimizer_parameters(outer_optimizer)],
@@ -141,7 +160,7 @@ class AdasumOptimizer(Optimizer):
         #: With a mesh: this rank's (replicate group, shard group); None otherwise.
         self.replica_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         if mesh is not None:
-            validation.check_mesh_options(
+            check_mesh_options(
                 "AdasumOptimizer", sync_every, combine, outer_optimizer is not None, process_group is not None
             )
             self.replica_groups = replica_groups(mesh)
@@ -162,9 +181,7 @@ class AdasumOptimizer(Optimizer):
             self._overlap_group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
         self._periodic = self._periodic_sync()
         if sync_every > 1 and combine == "adasum" and outer_optimizer is None and dist.get_rank() == 0:
-            warnings.warn(
-                validation.local_sgd_without_outer_message("AdasumOptimizer", sync_every), stacklevel=2
-            )
+            warnings.warn(local_sgd_without_outer_message("AdasumOptimizer", sync_every), stacklevel=2)
 
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()

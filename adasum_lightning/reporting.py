@@ -6,7 +6,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from adasum_lightning.validation import AdasumConfigurationError
+from adasum_lightning.errors import AdasumConfigurationError
 
 __all__ = ["reported_on_every_rank"]
 

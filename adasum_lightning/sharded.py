@@ -1,9 +1,8 @@
 """Adasum across replica groups, FSDP2 sharding inside each group (``torch`` only).
 
-The world is a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` ``replicate × shard``: ``R`` replica
-groups of ``S`` ranks (``init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))``,
-row-major: ranks ``0 … S−1`` are replica group 0). Inside a group FSDP2 works as usual (``fully_shard`` on the
-1-D ``mesh["shard"]``): the gradients are reduce-scattered and averaged over the group and each rank steps its
+The world is a 2-D device mesh ``replicate × shard`` of ``R`` replica groups of ``S`` ranks
+(:mod:`adasum_lightning.mesh`). Inside a group FSDP2 works as usual (``fully_shard`` on the 1-D
+``mesh["shard"]``): the gradients are reduce-scattered and averaged over the group and each rank steps its
 own shard with its own shard of the optimizer state. Across the groups nothing is all-reduced; instead the
 groups' parameter deltas ``θ_after − θ_before`` of the local step are combined by Adasum (Maleki et al.,
 "Scaling Distributed Training with Adaptive Summation", MLSys 2021), per parameter as a whole tensor: its dot
@@ -35,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from adasum_lightning import allreduce, validation
+from adasum_lightning import allreduce
 from adasum_lightning.allreduce import (
     CPU_CHUNK,
     DEVICE_CHUNK,
@@ -48,13 +47,13 @@ from adasum_lightning.allreduce import (
     _scaled_add,
     workspace,
 )
-from adasum_lightning.step import broadcast_from_rank_zero, world_size
+from adasum_lightning.errors import AdasumConfigurationError
+from adasum_lightning.step import world_size
 
 __all__ = [
-    "replica_groups",
+    "check_sharded_parameters",
+    "check_optimizer_of_sharded_module",
     "sharded_adasum_step",
-    "broadcast_from_replica_zero",
-    "broadcast_module_from_rank_zero",
     "local_shards",
     "full_tensor",
     "local_chunk",
@@ -68,27 +67,50 @@ __all__ = [
 T = TypeVar("T")
 
 
-def replica_groups(
-    mesh: DeviceMesh, owner: str = "AdasumOptimizer"
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's ``(replicate_group, shard_group)`` of a 2-D mesh of dimensions ``("replicate", "shard")``.
-
-    The replicate group holds the ranks at this rank's shard position in every replica group (one per group,
-    in replica order); the shard group the ranks of this rank's replica group.
+def check_sharded_parameters(owner: str, shard_size: int, unsharded: Sequence[str]) -> None:
+    """Every parameter is sharded by FSDP2 over the shard group (a ``DTensor`` with ``Shard`` placements on
+    the 1-D mesh ``mesh["shard"]``); with ``shard_size`` 1 plain tensors are whole tensors and fine.
+    ``unsharded``: a description of each parameter that is not.
 
     Raises:
-        AdasumConfigurationError: the mesh is not 2-D or its dimensions are not named
-            ``("replicate", "shard")`` (:func:`adasum_lightning.validation.check_adasum_mesh`).
-        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        AdasumConfigurationError: naming up to three such parameters and the fix.
     """
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"{owner}'s mesh is a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: build "
-            "it with init_device_mesh(device_type, (replica_groups, shard_size), "
-            "mesh_dim_names=('replicate', 'shard'))."
-        )
-    validation.check_adasum_mesh(mesh.ndim, mesh.mesh_dim_names, owner)
-    return mesh.get_group("replicate"), mesh.get_group("shard")
+    if not unsharded:
+        return
+    shown = "; ".join(unsharded[:3]) + (f"; and {len(unsharded) - 3} more" if len(unsharded) > 3 else "")
+    raise AdasumConfigurationError(
+        f"{owner}: {len(unsharded)} parameter(s) are not sharded over the mesh's 'shard' dimension "
+        f"(size {shard_size}): {shown}. Apply fully_shard(block, mesh=mesh['shard']) to each block and then "
+        "to the root module before building the optimizer (not on the 2-D mesh: that would average the "
+        "gradients across the replica groups, which Adasum combines instead)."
+    )
+
+
+def check_optimizer_of_sharded_module(
+    strategy_name: str, stale: int, total: int, has_state: bool = False
+) -> None:
+    """An optimizer set up under an FSDP2 strategy steps the sharded module's parameters: ``fully_shard``
+    replaces each parameter by a new (sharded) one, so an optimizer built before the module was set up holds
+    ``stale`` of its ``total`` parameters that no longer train. ``fabric.setup(model, optimizer)`` rebinds an
+    optimizer that has no state yet; ``has_state``: one that has stepped already (it cannot be rebound).
+
+    Raises:
+        AdasumConfigurationError: naming the order of calls that works.
+    """
+    if not stale and not has_state:
+        return
+    what = (
+        "has optimizer state already (it stepped before the model was sharded)"
+        if has_state
+        else f"holds {stale} of its {total} parameter(s) from before the model was sharded (fully_shard "
+        "replaces every parameter)"
+    )
+    raise AdasumConfigurationError(
+        f"{strategy_name}: the optimizer {what}. Set the model up first, then build the optimizer from its "
+        "parameters: model = fabric.setup_module(model); optimizer = fabric.setup_optimizers("
+        "torch.optim.SGD(model.parameters(), ...)) — or pass a fresh optimizer with the model: "
+        "model, optimizer = fabric.setup(model, optimizer)."
+    )
 
 
 def local_shards(
@@ -100,7 +122,7 @@ def local_shards(
     Raises:
         AdasumConfigurationError: with a shard group of more than one rank, a parameter that is not a
             ``DTensor`` with ``Shard`` placements on a 1-D mesh of that group's ranks
-            (:func:`adasum_lightning.validation.check_sharded_parameters`).
+            (:func:`check_sharded_parameters`).
     """
     size = world_size(shard_group)
     ranks = dist.get_process_group_ranks(shard_group) if size > 1 else []
@@ -117,7 +139,7 @@ def local_shards(
             if size > 1:
                 unsharded.append(f"#{i} {tuple(p.shape)} a plain {type(p).__name__}")
             out.append(p)
-    validation.check_sharded_parameters(owner, size, unsharded)
+    check_sharded_parameters(owner, size, unsharded)
     return out
 
 
@@ -278,35 +300,6 @@ def optimizer_state_to_shards(optimizer: Optimizer, shard_group: dist.ProcessGro
                     values[k] = DTensor.from_local(
                         chunk, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
                     )
-
-
-def broadcast_from_replica_zero(params: Sequence[torch.Tensor], replicate_group: dist.ProcessGroup) -> None:
-    """Give every replica group replica group 0's parameters, in place: each rank's local shards from the rank
-    at its shard position in group 0, over ``replicate_group`` (empty shards skipped). No-op for one group.
-
-    The shards inside a group come from its own ranks: build the model from the same seed (or load the same
-    checkpoint) on every rank before ``fully_shard``, as FSDP2 itself needs.
-    """
-    if world_size(replicate_group) == 1:
-        return
-    src = dist.get_global_rank(replicate_group, 0)
-    with torch.no_grad():
-        for p in params:
-            t = p.to_local() if isinstance(p, DTensor) else p.data
-            if t.numel():
-                buffer = t if t.is_contiguous() else t.contiguous()
-                dist.broadcast(buffer, src=src, group=replicate_group)
-                if buffer is not t:
-                    t.copy_(buffer)
-
-
-def broadcast_module_from_rank_zero(module: Module, replicate_group: dist.ProcessGroup) -> None:
-    """Give every rank rank 0's values of a module that may be sharded already, in place: the local shards
-    of its ``DTensor`` parameters and buffers from replica group 0 (:func:`broadcast_from_replica_zero`),
-    its plain tensors whole from global rank 0. A collective on every rank."""
-    tensors = [*module.parameters(), *module.buffers()]
-    broadcast_from_replica_zero([t for t in tensors if isinstance(t, DTensor)], replicate_group)
-    broadcast_from_rank_zero([t for t in tensors if not isinstance(t, DTensor)])
 
 
 def sharded_adasum_step(

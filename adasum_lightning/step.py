@@ -5,6 +5,7 @@ parameters through :func:`adasum_step`, differing only in their local step; :cla
 gives the same parameters bucket by bucket during backward. Semantics (Horovod 0.28.1's
 ``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``): every rank steps its own optimizer from the
 same θ, giving ``d_r = θ_r − θ``, then sets ``θ := θ + Adasum(d_0, …, d_{N−1})`` (Maleki et al., MLSys 2021).
+The rules of the step's options are here too: ``compression`` and ``overlap_backward``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from adasum_lightning.allreduce import adasum_allreduce_flat, workspace
+from adasum_lightning.errors import AdasumConfigurationError
 
 __all__ = [
     "adasum_step",
@@ -28,6 +30,10 @@ __all__ = [
     "optimizer_parameters",
     "broadcast_from_rank_zero",
     "world_size",
+    "WIRE_DTYPES",
+    "check_wire_compression",
+    "check_overlap_backward",
+    "overlap_fallback_reason",
 ]
 
 #: The ``torch.optim`` optimizers whose step updates each parameter from its own gradient and state alone, so
@@ -61,6 +67,24 @@ def optimizer_parameters(optimizer: Optimizer) -> list[torch.Tensor]:
         for p in group["params"]:
             seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+#: ``compression`` of ``ddp_adasum``, ``fsdp_adasum`` and ``AdasumOptimizer``: the dtype of every sent piece.
+WIRE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_wire_compression(compression: object, owner: str) -> torch.dtype | None:
+    """``compression``: None (off), ``"bf16"`` or ``"fp16"``; returns the wire dtype (None: off).
+
+    Raises:
+        AdasumConfigurationError: any other value; the message names the accepted ones.
+    """
+    if compression not in (None, *WIRE_DTYPES):
+        raise AdasumConfigurationError(
+            f"{owner}'s compression is None (off), 'bf16' or 'fp16' (every piece the combination sends "
+            f"rounded to bfloat16 or float16), got {compression!r}"
+        )
+    return None if compression is None else WIRE_DTYPES[compression]
 
 
 def adasum_step(
@@ -115,6 +139,64 @@ def adasum_step(
             for start, piece in zip(own, pieces, strict=True):
                 torch.add(start, piece, out=start)
     return output
+
+
+def check_overlap_backward(overlap_backward: object, bucket_cap_mb: object, strategy_name: str) -> None:
+    """``overlap_backward`` is a bool and ``bucket_cap_mb`` a positive number of MiB.
+
+    Raises:
+        ValueError: either is off; the message names the accepted values.
+    """
+    if not isinstance(overlap_backward, bool):
+        raise ValueError(
+            f"{strategy_name}'s overlap_backward is True (step and reduce bucket by bucket during the "
+            f"backward pass) or False (the whole step after it), got {overlap_backward!r}"
+        )
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float) or not bucket_cap_mb > 0:
+        raise ValueError(
+            f"{strategy_name}'s bucket_cap_mb is the bucket size in MiB, a positive number such as 25 (DDP's "
+            f"default), got {bucket_cap_mb!r}"
+        )
+
+
+def overlap_fallback_reason(
+    *,
+    automatic_optimization: bool,
+    optimizer: str,
+    per_parameter: bool,
+    gradient_clipping: str | None,
+    gradient_scaler: bool,
+    precision_plugin: str | None,
+    before_step_hooks: Sequence[str],
+) -> str | None:
+    """Why ``overlap_backward=True`` must take the whole step after backward, or None when it need not.
+
+    Args:
+        automatic_optimization: the LightningModule's ``automatic_optimization``.
+        optimizer: the optimizer's class name.
+        per_parameter: whether it is one of :data:`adasum_lightning.step.PER_PARAMETER_OPTIMIZERS`.
+        gradient_clipping: how gradients are clipped (e.g. ``"gradient_clip_val=1.0"``); None: not clipped.
+        gradient_scaler: fp16 mixed precision's ``GradScaler`` is in use.
+        precision_plugin: the precision plugin's class name when it runs the step its own way, else None.
+        before_step_hooks: overrides between backward and the step, as ``Class.hook``.
+    """
+    if not automatic_optimization:
+        return "manual optimization calls backward and step itself"
+    if not per_parameter:
+        return (
+            f"{optimizer} is not one of the per-parameter torch.optim optimizers (SGD, Adam, AdamW, Adagrad, "
+            "Adamax, NAdam, RAdam, RMSprop)"
+        )
+    if gradient_clipping is not None:
+        return f"gradient clipping ({gradient_clipping}) needs every gradient before the first bucket steps"
+    if gradient_scaler:
+        return "fp16 mixed precision's GradScaler checks every gradient before the step (bf16 has no scaler)"
+    if precision_plugin is not None:
+        return f"the precision plugin {precision_plugin} runs the optimizer step its own way"
+    if before_step_hooks:
+        hooks = ", ".join(before_step_hooks)
+        return f"{hooks} run between backward and the step (they may change gradients or read parameters)"
+    return None
 
 
 class _Bucket:

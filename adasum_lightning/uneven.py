@@ -16,13 +16,26 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from adasum_lightning.step import world_size
-from adasum_lightning.validation import check_uneven_inputs
 
-__all__ = ["EvenBatches", "UnevenInputsError", "uneven_message"]
+__all__ = ["EvenBatches", "UnevenInputsError", "check_uneven_inputs", "uneven_message"]
 
 
 class UnevenInputsError(RuntimeError):
     """The ranks have different numbers of batches and ``uneven_inputs="error"`` was asked for."""
+
+
+def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:
+    """``uneven_inputs`` of a strategy or ``EvenBatches``: ``"truncate"`` or ``"error"``; ``owner`` names it.
+
+    Raises:
+        ValueError: anything else, naming the two values.
+    """
+    if value not in ("truncate", "error"):
+        raise ValueError(
+            f"{owner}'s uneven_inputs must be 'truncate' (every rank stops an epoch at the shortest rank's "
+            f"batch count) or 'error' (refuse uneven batch counts), got {value!r}"
+        )
+    return value
 
 
 def uneven_message(name: str, counts: list[str], stop: int, refuse: bool) -> str:

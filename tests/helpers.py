@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adasum_lightning.validation import AdasumConfigurationError
+from adasum_lightning.errors import AdasumConfigurationError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"

@@ -13,6 +13,8 @@ import torch
 
 from adasum_lightning import checkpoint as ckpt
 from adasum_lightning.checkpoint import IncompleteCheckpointError
+from tests.workers.lightning import pl
+from tests.workers.tiny import TinyModule
 
 
 def one_rank(value):
@@ -134,3 +136,34 @@ def test_a_damaged_sharded_folder_is_named_with_the_fix(tmp_path):
         f"{folder}/meta.pt (written by rank 0) is missing from the sharded checkpoint. Resume from another "
         "checkpoint, or pass ckpt_path=None to start from scratch."
     )
+
+
+# ---------------------------------------------------------------- a Trainer given a checkpoint it cannot read
+def test_missing_checkpoint_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"does not exist on rank 0\. Pass the path of a checkpoint"):
+        pl.Trainer(strategy="horovod_adasum", accelerator="cpu", logger=False, enable_progress_bar=False).fit(
+            TinyModule(), ckpt_path=str(tmp_path / "nope.ckpt")
+        )
+
+
+@pytest.mark.parametrize("content", [b"garbage", b"", b"junk\n"])  # "junk": a KeyError in the unpickler
+def test_corrupt_checkpoint_names_the_fix(tmp_path, content):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(content)
+    model = TinyModule()
+    with pytest.raises(
+        RuntimeError, match=r"could not be read on rank 0 .*truncated, corrupt or not a Lightning"
+    ):
+        pl.Trainer(strategy="horovod_adasum", accelerator="cpu", logger=False, enable_progress_bar=False).fit(
+            model, ckpt_path=str(bad)
+        )
+    assert model.record["indices"] == []
+
+
+def test_checkpoint_without_state_dict_is_refused(tmp_path):
+    other = tmp_path / "weights.pt"
+    torch.save({"weights": torch.ones(2)}, other)
+    with pytest.raises(RuntimeError, match="holds no 'state_dict': it is not a Lightning checkpoint"):
+        pl.Trainer(strategy="horovod_adasum", accelerator="cpu", logger=False, enable_progress_bar=False).fit(
+            TinyModule(), ckpt_path=str(other)
+        )

@@ -20,11 +20,9 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from adasum_lightning.validation import (
-    check_launcher_world_size,
-    check_module_unwrapped,
-    identical_gradients_message,
-)
+from adasum_lightning.launchers import check_launcher_world_size
+from adasum_lightning.optimizer import identical_gradients_message
+from adasum_lightning.replicas import check_module_unwrapped
 from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import (
     ROOT,

@@ -18,16 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from adasum_lightning.checkpoint import check_resume_mesh, check_sharded_save_filter, check_state_dict_type
+from adasum_lightning.errors import AdasumConfigurationError
+from adasum_lightning.mesh import check_adasum_mesh, check_mesh_options, check_shard_size
 from adasum_lightning.ops import adasum_reduce
-from adasum_lightning.validation import (
-    AdasumConfigurationError,
-    check_adasum_mesh,
-    check_mesh_options,
-    check_optimizer_of_sharded_module,
-    check_shard_size,
-    check_sharded_parameters,
-    identical_gradients_message,
-)
+from adasum_lightning.optimizer import identical_gradients_message
+from adasum_lightning.sharded import check_optimizer_of_sharded_module, check_sharded_parameters
 from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import expected_message
 from tests.workers.samples import IndexedData, tiny_net

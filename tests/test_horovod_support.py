@@ -6,11 +6,14 @@ import sys
 import pytest
 import torch
 
+from adasum_lightning.errors import AdasumConfigurationError
 from adasum_lightning.horovod.support import (
+    check_closure_optimizers,
     check_controller,
     check_cpu_operations,
     check_gradient_clipping,
     check_gradient_predivide_factor,
+    check_horovod_dtypes,
     check_launch,
     check_nccl_topology,
     check_precision,
@@ -18,7 +21,6 @@ from adasum_lightning.horovod.support import (
 )
 from adasum_lightning.launchers import DetectedLauncher
 from adasum_lightning.ops import is_power_of_two
-from adasum_lightning.validation import AdasumConfigurationError
 from tests.helpers import ROOT, mpi_env, quick_fit
 from tests.workers.lightning import HorovodAdasumStrategy, HorovodStrategy, pl
 from tests.workers.tiny import TinyModule
@@ -189,3 +191,15 @@ def test_launch_rule_names_the_launcher_and_horovodrun():
         AdasumConfigurationError, match=r"Trainer\(devices=4\) asks for 4 devices.*horovodrun -np 4"
     ):
         check_launch(1, None, 4)
+
+
+def test_closure_and_dtype_rules():
+    check_closure_optimizers("horovod_adasum", [])
+    with pytest.raises(
+        AdasumConfigurationError, match=r"horovod_adasum cannot use LBFGS: its step\(\) needs a closure"
+    ):
+        check_closure_optimizers("horovod_adasum", ["LBFGS", "LBFGS"])
+    check_horovod_dtypes("horovod", "cpu", {torch.float32, torch.float16})
+    check_horovod_dtypes("horovod", "cuda", {torch.bfloat16})  # not checked on GPU
+    with pytest.raises(AdasumConfigurationError, match="horovod cannot reduce bfloat16 parameters on CPU"):
+        check_horovod_dtypes("horovod", "cpu", {torch.bfloat16})

@@ -13,18 +13,18 @@ import torch
 import torch.distributed as dist
 
 from adasum_lightning import AdasumOptimizer
+from adasum_lightning.errors import AdasumConfigurationError
 from adasum_lightning.horovod.support import (
     check_no_local_sgd,
 )
-from adasum_lightning.local_sgd import PeriodicSync
-from adasum_lightning.validation import (
-    AdasumConfigurationError,
+from adasum_lightning.local_sgd import (
+    PeriodicSync,
     check_outer_optimizer,
     check_outer_optimizer_form,
     check_sync_every,
-    check_wire_compression,
     local_sgd_without_outer_message,
 )
+from adasum_lightning.step import check_wire_compression
 from tests.workers.lightning import PACKAGE, DDPAdasumStrategy, HorovodAdasumStrategy, adasum_strategies
 
 #: This project's Fabric strategies for the Lightning package under test.

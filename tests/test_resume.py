@@ -20,7 +20,7 @@ from adasum_lightning.checkpoint import (
     SAVE_IDENTITY,
     rank_optimizer_path,
 )
-from adasum_lightning.validation import scaled_learning_rate_message
+from adasum_lightning.learning_rate import scaled_learning_rate_message
 from tests.cases import Launch, case
 from tests.helpers import assert_ranks_identical
 

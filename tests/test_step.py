@@ -7,9 +7,12 @@ completed in a different order on each rank."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from adasum_lightning.step import check_overlap_backward, overlap_fallback_reason
 from tests.cases import Launch, case
 from tests.helpers import assert_ranks_identical
 
@@ -54,3 +57,65 @@ def test_a_bf16_wire_gives_the_same_bits_on_every_path(cases):
         uncompressed = cases[STEPS[2, "sgd"]].ranks[r]["end"]
         assert not any(torch.equal(v, uncompressed[k]) for k, v in res["end"].items() if "frozen" not in k), r
     assert_ranks_identical(ranks)
+
+
+# ---------------------------------------------------------------- ddp_adasum(overlap_backward=True)
+OVERLAP_OK = dict(
+    automatic_optimization=True,
+    optimizer="SGD",
+    per_parameter=True,
+    gradient_clipping=None,
+    gradient_scaler=False,
+    precision_plugin=None,
+    before_step_hooks=[],
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({}, None),
+        ({"automatic_optimization": False}, "manual optimization calls backward and step itself"),
+        (
+            {"optimizer": "LBFGS", "per_parameter": False},
+            "LBFGS is not one of the per-parameter torch.optim optimizers (SGD, Adam, AdamW, Adagrad, "
+            "Adamax, NAdam, RAdam, RMSprop)",
+        ),
+        (
+            {"gradient_clipping": "gradient_clip_val=0.5"},
+            "gradient clipping (gradient_clip_val=0.5) needs every gradient before the first bucket steps",
+        ),
+        (
+            {"gradient_scaler": True},
+            "fp16 mixed precision's GradScaler checks every gradient before the step (bf16 has no scaler)",
+        ),
+        (
+            {"precision_plugin": "FSDPPrecision"},
+            "the precision plugin FSDPPrecision runs the optimizer step its own way",
+        ),
+        (
+            {"before_step_hooks": ["GradNormLogger.on_before_optimizer_step", "Net.on_after_backward"]},
+            "GradNormLogger.on_before_optimizer_step, Net.on_after_backward run between backward and the "
+            "step (they may change gradients or read parameters)",
+        ),
+    ],
+)
+def test_overlap_fallback_rule(change, reason):
+    assert overlap_fallback_reason(**{**OVERLAP_OK, **change}) == reason
+
+
+@pytest.mark.parametrize(
+    ("overlap", "cap", "message"),
+    [
+        ("yes", 25, "ddp_adasum's overlap_backward is True (step and reduce bucket by bucket during the "
+                    "backward pass) or False (the whole step after it), got 'yes'"),
+        (True, 0, "ddp_adasum's bucket_cap_mb is the bucket size in MiB, a positive number such as 25 "
+                  "(DDP's default), got 0"),
+        (True, "25", "got '25'"),
+        (True, True, "got True"),
+    ],
+)  # fmt: skip
+def test_overlap_options_rule(overlap, cap, message):
+    check_overlap_backward(False, 0.5, "ddp_adasum")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_overlap_backward(overlap, cap, "ddp_adasum")

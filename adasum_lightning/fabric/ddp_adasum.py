@@ -20,18 +20,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
-from adasum_lightning import validation
-from adasum_lightning._strategy_parts import (
-    check_launcher_world_size,
-    close_windows,
-    periodic_sync,
-    prepare_unwrapped_module,
-    register,
-    sampler_seed,
-)
+from adasum_lightning._namespaces import register
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.checkpoint import Filter
-from adasum_lightning.local_sgd import PeriodicSync
+from adasum_lightning.launchers import check_strategy_world_size
+from adasum_lightning.local_sgd import (
+    PeriodicSync,
+    check_outer_optimizer_form,
+    check_sync_every,
+    close_windows,
+    local_sgd_without_outer_message,
+    periodic_sync,
+)
+from adasum_lightning.replicas import prepare_unwrapped_module, sampler_seed
+from adasum_lightning.step import check_wire_compression
 
 from . import _compat
 
@@ -104,13 +106,13 @@ class DDPAdasumStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _LocalGradientsSyncControl()
-        validation.check_sync_every(sync_every, combine, self.strategy_name, overlap_sync=overlap_sync)
-        validation.check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
+        check_sync_every(sync_every, combine, self.strategy_name, overlap_sync=overlap_sync)
+        check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
         self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
         self.compression = compression
-        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
+        self.wire_dtype = check_wire_compression(compression, self.strategy_name)
         self.overlap_sync = overlap_sync
         self._overlap_group: dist.ProcessGroup | None = None  # overlap_sync's worker thread's
         self._periodic: dict[int, PeriodicSync] = {}  # per optimizer (by id), in the order of first steps
@@ -127,10 +129,10 @@ class DDPAdasumStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
-        check_launcher_world_size(self, api="Fabric")
+        check_strategy_world_size(self, api="Fabric")
         super().setup_environment()
         if self.sync_every > 1 and self.combine == "adasum" and self.outer_optimizer is None:
-            rank_zero_warn(validation.local_sgd_without_outer_message(self.strategy_name, self.sync_every))
+            rank_zero_warn(local_sgd_without_outer_message(self.strategy_name, self.sync_every))
         if self.overlap_sync and self.world_size > 1:  # a collective: every rank builds it here
             timeout = _compat.process_group_timeout(self)
             self._overlap_group = dist.new_group(backend=dist.get_backend(), timeout=timeout)

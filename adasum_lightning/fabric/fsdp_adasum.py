@@ -22,19 +22,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
-from adasum_lightning import validation
-from adasum_lightning._strategy_parts import (
-    ReplicaMesh,
-    check_launcher_world_size,
-    prepare_unwrapped_module,
-    register,
-    sampler_seed,
-)
+from adasum_lightning._namespaces import register
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.checkpoint import Filter, _is_stateful
+from adasum_lightning.launchers import check_strategy_world_size
+from adasum_lightning.mesh import ReplicaMesh, broadcast_module_from_rank_zero, check_mesh_options
+from adasum_lightning.replicas import prepare_unwrapped_module, sampler_seed
 from adasum_lightning.reporting import reported_on_every_rank
 from adasum_lightning.sharded import (
-    broadcast_module_from_rank_zero,
+    check_optimizer_of_sharded_module,
     full_state_dict,
     load_full_state_dict,
     local_shards,
@@ -43,7 +39,7 @@ from adasum_lightning.sharded import (
     shard_module,
     sharded_adasum_step,
 )
-from adasum_lightning.step import optimizer_parameters
+from adasum_lightning.step import check_wire_compression, optimizer_parameters
 
 from . import _compat
 
@@ -120,7 +116,7 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
         compression: str | None = None,
     ) -> None:
-        validation.check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
+        check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -136,7 +132,7 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         self.mp_policy = mp_policy
         self.state_dict_type = ckpt.check_state_dict_type(state_dict_type, self.strategy_name)
         self.compression = compression
-        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
+        self.wire_dtype = check_wire_compression(compression, self.strategy_name)
         self._device_mesh: DeviceMesh | None = None
         self._sharded_parameters: set[int] = set()  # ids of the parameters of the modules set up
 
@@ -151,7 +147,7 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
-        check_launcher_world_size(self, api="Fabric")
+        check_strategy_world_size(self, api="Fabric")
         super().setup_environment()
         self._build_mesh()
 
@@ -166,9 +162,7 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         sharded = dict(module.named_parameters())
         for optimizer in optimizers:
             with reported_on_every_rank(self.global_rank):
-                validation.check_optimizer_of_sharded_module(
-                    self.strategy_name, 0, 0, has_state=bool(optimizer.state)
-                )
+                check_optimizer_of_sharded_module(self.strategy_name, 0, 0, has_state=bool(optimizer.state))
             for group in optimizer.param_groups:
                 group["params"] = [sharded.get(names.get(id(p), ""), p) for p in group["params"]]
         return (module, [self.setup_optimizer(o) for o in optimizers], *scheduler)
@@ -190,7 +184,7 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         params = optimizer_parameters(optimizer)
         stale = sum(1 for p in params if id(p) not in self._sharded_parameters)
         with reported_on_every_rank(self.global_rank):
-            validation.check_optimizer_of_sharded_module(self.strategy_name, stale, len(params))
+            check_optimizer_of_sharded_module(self.strategy_name, stale, len(params))
         return optimizer
 
     @override

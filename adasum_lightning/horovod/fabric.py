@@ -25,7 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from adasum_lightning._strategy_parts import prepare_unwrapped_module, register, sampler_seed
+from adasum_lightning._namespaces import register
 from adasum_lightning.fabric._compat import BackwardSyncControl
 from adasum_lightning.horovod import support
 from adasum_lightning.horovod.process import HorovodProcess
@@ -37,6 +37,7 @@ from adasum_lightning.launchers import (
     launcher_world_size,
 )
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
+from adasum_lightning.replicas import prepare_unwrapped_module, sampler_seed
 from adasum_lightning.reporting import reported_on_every_rank
 
 __all__ = ["HorovodEnvironment", "HorovodStrategy", "HorovodAdasumStrategy"]

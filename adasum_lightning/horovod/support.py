@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from adasum_lightning.errors import AdasumConfigurationError
 from adasum_lightning.launchers import DetectedLauncher
 from adasum_lightning.ops import is_power_of_two, nearest_powers_of_two
-from adasum_lightning.validation import AdasumConfigurationError
 
 __all__ = [
     "HOROVOD_BUILD_PACKAGE",

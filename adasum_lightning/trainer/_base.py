@@ -31,10 +31,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
-from adasum_lightning import reporting, validation
-from adasum_lightning._strategy_parts import make_parameters_contiguous, register, sampler_seed
-from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
-from adasum_lightning.uneven import EvenBatches
+from adasum_lightning import reporting
+from adasum_lightning._namespaces import register
+from adasum_lightning.learning_rate import (
+    check_lr_scaling,
+    lr_factor,
+    scale_learning_rates,
+    scaled_learning_rate_message,
+)
+from adasum_lightning.replicas import (
+    check_single_device,
+    check_sync_batchnorm,
+    make_parameters_contiguous,
+    sampler_seed,
+)
+from adasum_lightning.uneven import EvenBatches, check_uneven_inputs
 
 from . import _compat
 
@@ -105,7 +116,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.lr_scaling = check_lr_scaling(lr_scaling)
-        self.uneven_inputs = validation.check_uneven_inputs(uneven_inputs, self.strategy_name)
+        self.uneven_inputs = check_uneven_inputs(uneven_inputs, self.strategy_name)
         self._uneven_warned = False
         self._checkpoint_path: Any = None
         #: The world size that saved the checkpoint being resumed (None: none, or not recorded).
@@ -134,7 +145,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         super().setup(trainer)
         assert self.lightning_module is not None
         with reporting.reported_on_every_rank(self.global_rank):
-            validation.check_single_device(
+            check_single_device(
                 self.strategy_name, [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
             )
         if fitting:
@@ -147,7 +158,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
                 f"learning-rate factor {self.lr_factor:g} (lr_scaling={self.lr_scaling!r})"
             )
             if self.lr_factor != 1.0:
-                rank_zero_warn(validation.scaled_learning_rate_message(self.strategy_name, self.lr_factor))
+                rank_zero_warn(scaled_learning_rate_message(self.strategy_name, self.lr_factor))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -258,7 +269,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         assert self.model is not None
         sync_layers = [name for name, m in self.model.named_modules() if isinstance(m, SyncBatchNorm)]
         requested = _compat.layer_sync(self) is not None
-        validation.check_sync_batchnorm(self.root_device.type, requested, sync_layers, self.strategy_name)
+        check_sync_batchnorm(self.root_device.type, requested, sync_layers, self.strategy_name)
 
     @override
     def configure_ddp(self) -> None:

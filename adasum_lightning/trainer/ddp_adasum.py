@@ -22,11 +22,23 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
-from adasum_lightning import validation
-from adasum_lightning._strategy_parts import check_launcher_world_size, close_windows, periodic_sync
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.local_sgd import PeriodicSync
-from adasum_lightning.step import PER_PARAMETER_OPTIMIZERS, BackwardAdasumStep
+from adasum_lightning.launchers import check_strategy_world_size
+from adasum_lightning.local_sgd import (
+    PeriodicSync,
+    check_outer_optimizer_form,
+    check_sync_every,
+    close_windows,
+    local_sgd_without_outer_message,
+    periodic_sync,
+)
+from adasum_lightning.step import (
+    PER_PARAMETER_OPTIMIZERS,
+    BackwardAdasumStep,
+    check_overlap_backward,
+    check_wire_compression,
+    overlap_fallback_reason,
+)
 
 from . import _compat
 from ._base import UpdateReducingDDPStrategy
@@ -119,18 +131,18 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             lr_scaling=lr_scaling,
             uneven_inputs=uneven_inputs,
         )
-        validation.check_overlap_backward(overlap_backward, bucket_cap_mb, self.strategy_name)
+        check_overlap_backward(overlap_backward, bucket_cap_mb, self.strategy_name)
         outer = outer_optimizer is not None
         name = self.strategy_name
-        validation.check_sync_every(sync_every, combine, name, overlap_backward, outer, overlap_sync)
-        validation.check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
+        check_sync_every(sync_every, combine, name, overlap_backward, outer, overlap_sync)
+        check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
         self.overlap_backward = overlap_backward
         self.bucket_cap_mb = bucket_cap_mb
         self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
         self.compression = compression
-        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
+        self.wire_dtype = check_wire_compression(compression, self.strategy_name)
         self.overlap_sync = overlap_sync
         # per optimizer (by id): its local-SGD windows; the checkpoint's states until they are built
         self._periodic: dict[int, PeriodicSync] = {}
@@ -142,14 +154,14 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
-        check_launcher_world_size(self, api="Trainer")
+        check_strategy_world_size(self, api="Trainer")
         super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if self.sync_every > 1 and self.combine == "adasum" and self.outer_optimizer is None:
-            rank_zero_warn(validation.local_sgd_without_outer_message(self.strategy_name, self.sync_every))
+            rank_zero_warn(local_sgd_without_outer_message(self.strategy_name, self.sync_every))
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.sync_every > 1 and fitting and not any(isinstance(c, _EndWindows) for c in trainer.callbacks):
             trainer.callbacks.insert(0, _EndWindows(self))  # first: before the others' end-of-fit hooks
@@ -267,7 +279,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             for hook in ("backward", "on_after_backward", "on_before_optimizer_step")
             if is_overridden(hook, module, pl.LightningModule)
         ]
-        return validation.overlap_fallback_reason(
+        return overlap_fallback_reason(
             automatic_optimization=module.automatic_optimization,
             optimizer=type(optimizer).__name__,
             per_parameter=type(optimizer) in PER_PARAMETER_OPTIMIZERS,

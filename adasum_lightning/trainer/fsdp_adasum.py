@@ -19,15 +19,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
-from adasum_lightning import reporting, validation
-from adasum_lightning._strategy_parts import (
-    ReplicaMesh,
-    check_launcher_world_size,
-    make_parameters_contiguous,
-)
+from adasum_lightning import reporting
 from adasum_lightning.allreduce import release_workspace
+from adasum_lightning.launchers import check_strategy_world_size
+from adasum_lightning.mesh import ReplicaMesh, broadcast_module_from_rank_zero, check_mesh_options
+from adasum_lightning.replicas import make_parameters_contiguous
 from adasum_lightning.sharded import (
-    broadcast_module_from_rank_zero,
     full_state_dict,
     load_full_state_dict,
     local_shards,
@@ -36,7 +33,7 @@ from adasum_lightning.sharded import (
     shard_module,
     sharded_adasum_step,
 )
-from adasum_lightning.step import optimizer_parameters
+from adasum_lightning.step import check_wire_compression, optimizer_parameters
 
 from . import _compat
 from ._base import UpdateReducingDDPStrategy
@@ -92,7 +89,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
 
     Raises:
         AdasumConfigurationError: when the processes start, a ``shard_size`` that does not divide the world
-            size (:func:`adasum_lightning.validation.check_shard_size`); a ``state_dict_type`` other than
+            size (:func:`adasum_lightning.mesh.check_shard_size`); a ``state_dict_type`` other than
             ``"full"``/``"sharded"``, an unknown ``compression``; at a resume, a full checkpoint of another
             mesh.
     """
@@ -119,7 +116,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
         compression: str | None = None,
     ) -> None:
-        validation.check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
+        check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -136,7 +133,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         self.mp_policy = mp_policy
         self.state_dict_type = ckpt.check_state_dict_type(state_dict_type, self.strategy_name)
         self.compression = compression
-        self.wire_dtype = validation.check_wire_compression(compression, self.strategy_name)
+        self.wire_dtype = check_wire_compression(compression, self.strategy_name)
         self._sharded_path: Any = None  # the folder of the sharded checkpoint being restored
         self._device_mesh: DeviceMesh | None = None
 
@@ -145,7 +142,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
-        check_launcher_world_size(self, api="Trainer")
+        check_strategy_world_size(self, api="Trainer")
         super().setup_environment()
         self._build_mesh()
         if self.lightning_module is not None:  # configure_model() may shard with self.device_mesh["shard"]

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from adasum_lightning.errors import AdasumConfigurationError
 from adasum_lightning.launchers import launcher_rank
-from adasum_lightning.validation import AdasumConfigurationError
 from tests.workers import cases
 from tests.workers.samples import IndexedData, tiny_net
 

@@ -35,8 +35,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from adasum_lightning import AdasumOptimizer
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.sharded import _step_buffer_bytes, replica_groups, sharded_adasum_step
-from adasum_lightning.validation import AdasumConfigurationError
+from adasum_lightning.errors import AdasumConfigurationError
+from adasum_lightning.mesh import replica_groups
+from adasum_lightning.sharded import _step_buffer_bytes, sharded_adasum_step
 from tests.workers import cases
 from tests.workers.samples import IndexedData, tiny_net
 

@@ -18,7 +18,7 @@ setup:
 	@bash .ci/setup.sh "$(PYTHON)" "$(VENV)"
 
 # adasum-horovodrun: horovodrun plus the Open MPI settings that end a job whose host is lost, and SIGTERM
-# passed on to the ranks (adasum_lightning/horovod/horovodrun.py, adasum_lightning/fault_tolerance.py).
+# passed on to the ranks (adasum_lightning/horovod/horovodrun.py, adasum_lightning/failure_detection.py).
 demo: setup
 	@echo "[demo] $(NP) MPI processes, horovod_adasum, 3 epochs on MNIST from $(DATA_DIR)"
 	@set -o pipefail; $(VENV)/bin/adasum-horovodrun -np $(NP) -H localhost:$(NP) \

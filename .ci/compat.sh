@@ -52,7 +52,7 @@ step "environment ready in ${SECONDS}s:" $("$venv/bin/python" -m pip list --disa
 # the installed copy from outside the checkout.
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(
-  tests/test_strategy.py tests/test_replicas.py tests/test_launchers.py tests/test_checkpoint.py
+  tests/test_strategy.py tests/test_replicas.py tests/test_launch_environment.py tests/test_checkpoint.py
   tests/test_horovod_support.py tests/test_compat.py
   tests/test_packages.py tests/test_mpi.py tests/test_mpi_edge_cases.py tests/test_crossrank.py
   tests/test_ddp_adasum.py tests/test_forms.py tests/test_optimizer.py tests/test_fabric_horovod.py

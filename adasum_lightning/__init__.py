@@ -26,9 +26,9 @@ from typing import Any
 
 from adasum_lightning import _namespaces
 from adasum_lightning.allreduce import adasum_allreduce
-from adasum_lightning.launchers import launcher_rank
-from adasum_lightning.ops import adasum, adasum_reduce
+from adasum_lightning.launch_environment import launcher_rank
 from adasum_lightning.optimizer import AdasumOptimizer
+from adasum_lightning.reference import adasum, adasum_reduce
 from adasum_lightning.step import adasum_step
 from adasum_lightning.uneven import EvenBatches
 

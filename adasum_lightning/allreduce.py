@@ -10,8 +10,8 @@ result is sent back. The algorithm, its equality with Horovod and its tuning: do
 Coefficients (Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021; Horovod
 ``adasum.h``): with ``L``, ``R`` the data of the lower and upper half of the ranks sharing a segment,
 ``cL = 1 - (L·R) / ‖L‖² · 0.5`` and ``cR = 1 - (L·R) / ‖R‖² · 0.5`` in float64, in this order; a squared norm
-below :data:`~adasum_lightning.ops.ADASUM_NORM_EPS` forces its coefficient to 1. The combination is computed
-in float64 and rounded once to the tensor's dtype, like Horovod's ``ScaledAdd``.
+below :data:`~adasum_lightning.reference.ADASUM_NORM_EPS` forces its coefficient to 1. The combination is
+computed in float64 and rounded once to the tensor's dtype, like Horovod's ``ScaledAdd``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from adasum_lightning.ops import ADASUM_NORM_EPS, is_power_of_two
+from adasum_lightning.reference import ADASUM_NORM_EPS, is_power_of_two
 
 __all__ = [
     "adasum_allreduce",
@@ -60,8 +60,8 @@ def adasum_allreduce(
 
     Every rank passes tensors of the same shapes and dtypes in the same order; afterwards each holds, bitwise
     identical on every rank, the Adasum of the ranks' tensors (one coefficient pair per tensor) in the order
-    of :func:`adasum_lightning.ops.adasum_reduce`. float32 matches ``hvd.allreduce(op=hvd.Adasum)`` to ≤ 1
-    ulp. Buffers are kept per thread for the next call, as Horovod keeps its fusion buffer
+    of :func:`adasum_lightning.reference.adasum_reduce`. float32 matches ``hvd.allreduce(op=hvd.Adasum)``
+    to ≤ 1 ulp. Buffers are kept per thread for the next call, as Horovod keeps its fusion buffer
     (:func:`release_workspace` frees them).
 
     Args:

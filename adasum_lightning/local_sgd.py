@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from adasum_lightning.allreduce import adasum_allreduce_flat, mean_allreduce_flat, workspace
-from adasum_lightning.errors import AdasumConfigurationError
-from adasum_lightning.reporting import reported_on_every_rank
+from adasum_lightning.errors import AdasumConfigurationError, reported_on_every_rank
 from adasum_lightning.step import adasum_step, optimizer_parameters, world_size
 
 __all__ = [

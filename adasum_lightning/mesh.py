@@ -19,8 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
-from adasum_lightning.errors import AdasumConfigurationError
-from adasum_lightning.reporting import reported_on_every_rank
+from adasum_lightning.errors import AdasumConfigurationError, reported_on_every_rank
 from adasum_lightning.step import broadcast_from_rank_zero, world_size
 
 __all__ = [

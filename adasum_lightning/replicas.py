@@ -14,8 +14,7 @@ import torch
 from torch.nn import Module, SyncBatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from adasum_lightning.errors import AdasumConfigurationError
-from adasum_lightning.reporting import reported_on_every_rank
+from adasum_lightning.errors import AdasumConfigurationError, reported_on_every_rank
 from adasum_lightning.step import broadcast_from_rank_zero
 
 __all__ = [

@@ -11,7 +11,7 @@ Adasum (``horovod/common/ops/adasum_gpu_operations.cc``, ``NcclHierarchical``: r
 Adasum across nodes) with a replica group of ranks in place of a node, and FSDP2's sharded step in place of
 the reduce-scatter. Each replica group keeps its own optimizer state; all groups hold the same parameters.
 
-Pairing (that of :func:`adasum_lightning.allreduce.adasum_allreduce` and :func:`adasum_lightning.ops.
+Pairing (that of :func:`adasum_lightning.allreduce.adasum_allreduce` and :func:`adasum_lightning.reference.
 adasum_reduce`, over replica indices): for ``R = 2**k`` recursive doubling, group ``q`` with ``q XOR d`` at
 ``d = 1, 2, 4, …`` (neighbours first); otherwise, with ``P`` the largest power of 2 ≤ ``R``, groups
 ``q ≥ P`` are first folded into ``q − P``, then groups ``0 … P−1`` are reduced, then the result is sent back

@@ -26,7 +26,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 
 import adasum_lightning
-from adasum_lightning.launchers import launcher_world_size
+from adasum_lightning.launch_environment import launcher_world_size
 from benchmarks.common import BenchNet, TensorMNISTDataModule, data_dir, onecycle_steps
 
 #: A run whose validation loss is not finite or whose accuracy is below this after an epoch is stopped as

@@ -10,7 +10,7 @@ arXiv:1808.07217):
 1. every worker ``w`` starts from ``θ_sync`` and takes ``H = sync_every`` steps of its own inner optimizer
    (its state kept across rounds) on batches of its own shard;
 2. pseudo-gradient ``Δ_w = θ_w − θ_sync`` per worker and parameter tensor;
-3. ``Δ = adasum_reduce([Δ_0, …, Δ_{N−1}])`` per tensor (:func:`adasum_lightning.ops.adasum_reduce`, the
+3. ``Δ = adasum_reduce([Δ_0, …, Δ_{N−1}])`` per tensor (:func:`adasum_lightning.reference.adasum_reduce`, the
    pairing order of the distributed allreduce) for ``combine="adasum"``, or ``Δ = mean_w Δ_w`` for
    ``combine="mean"`` (torchft's DiLoCo rule);
 4. ``θ_sync ← θ_sync + Δ`` without an outer optimizer, or one step of the outer optimizer on ``θ_sync``
@@ -55,7 +55,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from adasum_lightning.allreduce import TREE_MAX_BYTES
-from adasum_lightning.ops import adasum_reduce
+from adasum_lightning.reference import adasum_reduce
 from examples.mnist_torch import MNISTCNN
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import resource
 import sys
 from pathlib import Path
 
-from adasum_lightning.launchers import detect_launcher, launcher_rank
+from adasum_lightning.launch_environment import detect_launcher, launcher_rank
 
 
 def main() -> None:

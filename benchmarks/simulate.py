@@ -17,7 +17,7 @@ What one simulated step does (``W`` workers, common parameters ``θ``):
   every worker ``w`` takes its own batch, runs ``training_step`` + backward from ``θ``, then *its own*
   optimizer (own state, e.g. momentum from its local gradients; own LR scheduler) steps, giving
   ``θ_w``; the deltas ``d_w = θ_w − θ`` (float32 subtraction, as Horovod does) are combined per
-  parameter tensor with :func:`adasum_lightning.ops.adasum_reduce` (pairwise, as Horovod's recursive
+  parameter tensor with :func:`adasum_lightning.reference.adasum_reduce` (pairwise, as Horovod's recursive
   vector-halving pairs ranks; Maleki et al., MLSys 2021) and ``θ ← θ + adasum(d_0 … d_{W−1})``.
   The learning rate is multiplied by ``lr_factor`` (default 1, as ``horovod_adasum`` on CPU).
 - ``method="average"`` — Horovod's ``_DistributedOptimizer`` with ``op=Average``: the workers'
@@ -73,7 +73,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm.auto import tqdm
 
 from adasum_lightning.learning_rate import scale_learning_rates
-from adasum_lightning.ops import adasum_reduce, is_power_of_two
+from adasum_lightning.reference import adasum_reduce, is_power_of_two
 
 # Lightning's own reading of configure_optimizers' output, through the package's guarded private APIs.
 from adasum_lightning.trainer._compat import configure_optimizers, configure_schedulers

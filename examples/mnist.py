@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 import adasum_lightning  # noqa: F401  (registers "horovod_adasum", "horovod" and "ddp_adasum")
 from adasum_lightning.checkpoint import READ_ERRORS, unreadable_checkpoint
-from adasum_lightning.launchers import launcher_rank
+from adasum_lightning.launch_environment import launcher_rank
 
 if __package__:  # imported as examples.mnist (tests, benchmarks)
     from .mnist_torch import MNIST_MEAN, MNIST_STD, MNISTCNN, MNISTFiles, normalize

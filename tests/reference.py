@@ -1,6 +1,7 @@
 """The reference step, computed in one process: each rank's local step of the tiny net from the common start,
-then the Adasum of the ranks' deltas (``adasum_lightning.ops``). Every test of "one step is the Adasum of the
-local deltas" — Horovod's strategies, ``ddp_adasum``, Fabric's, the plain loop — checks its ranks against it.
+then the Adasum of the ranks' deltas (``adasum_lightning.reference``). Every test of "one step is the
+Adasum of the local deltas" — Horovod's strategies, ``ddp_adasum``, Fabric's, the plain loop — checks its
+ranks against it.
 The local-SGD windows with ``overlap_sync`` (each combined update applied one window late), likewise.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from adasum_lightning.ops import adasum_reduce
+from adasum_lightning.reference import adasum_reduce
 from tests.workers.tiny import tiny_net
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import adasum_lightning.allreduce as ar
 from adasum_lightning.allreduce import adasum_allreduce
-from adasum_lightning.ops import ADASUM_NORM_EPS, adasum, adasum_reduce, is_power_of_two
+from adasum_lightning.reference import ADASUM_NORM_EPS, adasum, adasum_reduce, is_power_of_two
 from tests.cases import Launch, case
 from tests.helpers import run_torchrun
 
@@ -136,9 +136,9 @@ def assert_final_when_reported(final: dict, expected: torch.Tensor, what: tuple)
     [pytest.param(np, list(k), marks=pytest.mark.cases(c)) for (np, k), c in GLOO.items()],
 )
 def test_a_16_bit_wire_equals_the_reference_of_rounded_inputs_on_every_rank(np, prefix_groups, cases):
-    """``wire_dtype`` (``compression``): the Adasum is ``ops.adasum_reduce`` of the inputs rounded to the wire
-    dtype (each level rounded to it); the mean sums the rounded inputs in float32 in rank order, divides by
-    N and rounds once. Both bitwise on every rank, and not what a float32 wire gives."""
+    """``wire_dtype`` (``compression``): the Adasum is ``reference.adasum_reduce`` of the inputs rounded to
+    the wire dtype (each level rounded to it); the mean sums the rounded inputs in float32 in rank order,
+    divides by N and rounds once. Both bitwise on every rank, and not what a float32 wire gives."""
     ranks = cases[GLOO[np, tuple(prefix_groups)]].ranks
     for wire in (torch.bfloat16, torch.float16):
         dt = str(wire)

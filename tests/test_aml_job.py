@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from adasum_lightning import fault_tolerance
+from adasum_lightning import failure_detection
 from adasum_lightning.aml import cli
 from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
@@ -60,7 +60,7 @@ def test_defaults_keep_the_seed_topology_on_a_current_vm_size():
         "NCCL_DEBUG": "WARN",
         "PYTHONUNBUFFERED": "1",
         **TOPOLOGY,  # what a script without --trainer.* arguments reads
-        **fault_tolerance.mpi_env(),  # Open MPI's fault settings, for Azure ML's mpirun
+        **failure_detection.mpi_env(),  # Open MPI's fault settings, for Azure ML's mpirun
     }
     cmd = job.training_command()
     assert cmd[:3] == ["python", "mnist.py", "fit"]
@@ -137,11 +137,11 @@ def test_extra_environment_variables_merge_over_the_defaults():
         "NCCL_DEBUG": "INFO",
         "PYTHONUNBUFFERED": "1",
         **TOPOLOGY,
-        **fault_tolerance.mpi_env(),
+        **failure_detection.mpi_env(),
         "HOROVOD_LOG_LEVEL": "debug",
     }
     # a fault setting can be overridden like any other variable
-    name = next(iter(fault_tolerance.mpi_env()))
+    name = next(iter(failure_detection.mpi_env()))
     assert AmlJob(environment_variables={name: "60"}).environment_variables[name] == "60"
 
 
@@ -151,7 +151,7 @@ def test_ddp_adasum_job_runs_lightning_ddp_on_the_topology():
     assert not job.is_mpi and job.world_size == 12 and job.devices == 4
     assert job.base_image == "nvidia/cuda:13.0.0-runtime-ubuntu22.04"  # nothing is compiled in its image
     assert job.environment_name == "adasum-lightning-ddp"
-    timeout = timedelta_arg(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = timedelta_arg(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
     assert (
         job.training_command()
         == [
@@ -186,7 +186,7 @@ def test_horovod_job_averages_with_one_gpu_per_mpi_process():
         "--trainer.accelerator=gpu",
         "--trainer.devices=1",
     ]
-    assert fault_tolerance.mpi_env().items() <= dict(job.environment_variables).items()
+    assert failure_detection.mpi_env().items() <= dict(job.environment_variables).items()
 
 
 @pytest.mark.parametrize("strategy", ["ddp_adasum", "horovod"])
@@ -303,7 +303,7 @@ def test_lightning_cli_parses_the_ddp_adasum_strategy_with_its_timeout(package, 
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     namespace = "trainer" if package == "pytorch_lightning" else "lightning"
-    expected = repr(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)
+    expected = repr(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
     assert (
         f"PARSED adasum_lightning.{namespace}.ddp_adasum DDPAdasumStrategy ddp_adasum {expected}"
         in proc.stdout

@@ -11,7 +11,7 @@ from unittest.mock import create_autospec
 import pytest
 import yaml
 
-from adasum_lightning import fault_tolerance
+from adasum_lightning import failure_detection
 from adasum_lightning.aml import cli, sdk_v1, sdk_v2
 from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
@@ -42,7 +42,7 @@ DDP_ENV = {
     "ADASUM_NUM_NODES": "3",
 }
 #: MPI jobs also carry Open MPI's fault settings (OMPI_MCA_*), read by Azure ML's mpirun.
-ENV = {**BASE_ENV, **TOPOLOGY, "ADASUM_NUM_NODES": "8", **fault_tolerance.mpi_env()}
+ENV = {**BASE_ENV, **TOPOLOGY, "ADASUM_NUM_NODES": "8", **failure_detection.mpi_env()}
 DDP_JOB = {"strategy": "ddp_adasum", "node_count": 3, "process_count_per_node": 4}
 
 
@@ -201,7 +201,7 @@ def test_v1_pytorch_job_for_ddp_adasum(staged_ddp):
     assert rc["framework"] == "PyTorch" and rc["communicator"] == "nccl" and rc["nodeCount"] == 3
     assert rc["pytorch"] == {"communicationBackend": "nccl", "processCount": 12, "nodeCount": 3}
     assert rc["script"] == "mnist.py" and rc["arguments"][0] == "fit"
-    timeout = timedelta_arg(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = timedelta_arg(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
     for arg in (
         "--trainer.strategy=adasum_lightning.DDPAdasumStrategy",
         f"--trainer.strategy.timeout={timeout}",
@@ -221,7 +221,7 @@ def test_v1_pytorch_job_for_ddp_adasum(staged_ddp):
 def test_v1_mpi_job_carries_the_open_mpi_fault_settings(staged):
     rc = sdk_v1.run_configuration(sdk_v1.build(AmlJob(strategy="horovod"), staged))
     assert rc["framework"] != "PyTorch" and rc["mpi"] == {"processCountPerNode": 4, "nodeCount": 8}
-    assert fault_tolerance.mpi_env().items() <= rc["environmentVariables"].items()
+    assert failure_detection.mpi_env().items() <= rc["environmentVariables"].items()
     assert "--trainer.strategy=horovod" in rc["arguments"]
 
 
@@ -328,7 +328,7 @@ def test_v2_pytorch_job_for_ddp_adasum(staged_ddp, tmp_path):
     assert data["resources"] == {"instance_count": 3, "properties": {}, "shm_size": "16g"}
     words = data["command"].split()
     assert words[:4] == ["python", "mnist.py", "fit", "--trainer.strategy=adasum_lightning.DDPAdasumStrategy"]
-    timeout = timedelta_arg(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = timedelta_arg(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
     for arg in (f"--trainer.strategy.timeout={timeout}", "--trainer.devices=4", "--trainer.num_nodes=3"):
         assert arg in words, arg
     assert "--trainer.accelerator=gpu" in words
@@ -348,7 +348,7 @@ def test_v2_pytorch_job_for_ddp_adasum(staged_ddp, tmp_path):
 def test_v2_mpi_job_carries_the_open_mpi_fault_settings(staged):
     data = yaml.safe_load(sdk_v2.render(sdk_v2.build(AmlJob(strategy="horovod", node_count=3), staged)))
     assert data["distribution"] == {"type": "mpi", "process_count_per_instance": 4}
-    assert fault_tolerance.mpi_env().items() <= data["environment_variables"].items()
+    assert failure_detection.mpi_env().items() <= data["environment_variables"].items()
 
 
 def _mock_client():
@@ -491,8 +491,8 @@ def test_dry_run_of_mpi_jobs_shows_the_open_mpi_fault_settings(sdk, strategy, ca
         if sdk == "v1"
         else yaml.safe_load(out)["environment_variables"]
     )
-    assert fault_tolerance.mpi_env().items() <= env.items()
-    assert all(name.startswith("OMPI_MCA_") for name in fault_tolerance.mpi_env())
+    assert failure_detection.mpi_env().items() <= env.items()
+    assert all(name.startswith("OMPI_MCA_") for name in failure_detection.mpi_env())
 
 
 @pytest.mark.walltime

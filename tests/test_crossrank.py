@@ -23,7 +23,7 @@ from adasum_lightning.horovod.support import (
     check_horovod_dtypes,
     check_launch,
 )
-from adasum_lightning.launchers import DetectedLauncher
+from adasum_lightning.launch_environment import DetectedLauncher
 from adasum_lightning.replicas import check_sync_batchnorm
 from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import (

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-from adasum_lightning.launchers import check_launcher_world_size
-from adasum_lightning.ops import adasum
+from adasum_lightning.launch_environment import check_launcher_world_size
+from adasum_lightning.reference import adasum
 from tests.cases import Launch, case
 from tests.helpers import (
     ROOT,

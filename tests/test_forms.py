@@ -20,7 +20,7 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from adasum_lightning.launchers import check_launcher_world_size
+from adasum_lightning.launch_environment import check_launcher_world_size
 from adasum_lightning.optimizer import identical_gradients_message
 from adasum_lightning.replicas import check_module_unwrapped
 from tests.cases import Launch, assert_refused_on_every_rank, case
@@ -173,7 +173,7 @@ ONE_STEP = form("forms-one-step", "plain", 3, "--epochs", "1", "--max-steps", "1
 @pytest.mark.cases(ONE_STEP)
 def test_plain_loop_equals_the_reference_adasum_of_every_ranks_local_step(cases):
     # One step on 3 ranks, computed here in one process: each rank's local SGD step from the common start on
-    # its first batch, then the Adasum of the three deltas (adasum_lightning.ops.adasum_reduce).
+    # its first batch, then the Adasum of the three deltas (adasum_lightning.reference.adasum_reduce).
     ranks = trained(cases[ONE_STEP])
     data = IndexedData(64)
     batches = [[(data.x[res["first_batch"]], data.y[res["first_batch"]])] for res in ranks]
@@ -285,7 +285,7 @@ def local_sgd_reference(
     """The algorithm written out in one process: each worker's parameters after each of its steps. ``wire``
     (a dtype, ``compression``): every sent piece rounded to it — the Adasum of the rounded pseudo-gradients
     (each level rounded), or their float32 mean rounded once."""
-    from adasum_lightning.ops import adasum_reduce
+    from adasum_lightning.reference import adasum_reduce
     from tests.workers.samples import tiny_net
 
     models = [tiny_net() for _ in rank_batches]
@@ -343,7 +343,7 @@ def local_sgd_reference(
 )
 def test_local_sgd_equals_the_algorithm_written_out_and_ranks_agree_only_at_syncs(key, cases):
     # 2 workers, 16 steps, sync every 3 (and at the end): per-worker momentum, the pseudo-gradients combined
-    # by Adasum (ops.adasum_reduce) or their mean, applied directly or by an outer Nesterov SGD step.
+    # by Adasum (reference.adasum_reduce) or their mean, applied directly or by an outer Nesterov SGD step.
     declared = {**LOCAL_SGD, **LOCAL_SGD_PLAIN}[key]
     ranks = cases[declared[0] if isinstance(declared, tuple) else declared].ranks
     rank_batches = batches_of_every_rank(2)

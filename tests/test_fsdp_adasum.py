@@ -5,7 +5,7 @@ the refusals as pure rules.
 
 The reference: every replica group averages its ranks' gradients (each rank's own batch), steps its own SGD
 with momentum on the whole model, and the groups' deltas are combined per parameter by
-:func:`adasum_lightning.ops.adasum_reduce` (the pairing of the allreduce, for any number of groups).
+:func:`adasum_lightning.reference.adasum_reduce` (the pairing of the allreduce, for any number of groups).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from adasum_lightning.checkpoint import check_resume_mesh, check_sharded_save_filter, check_state_dict_type
 from adasum_lightning.errors import AdasumConfigurationError
 from adasum_lightning.mesh import check_adasum_mesh, check_mesh_options, check_shard_size
-from adasum_lightning.ops import adasum_reduce
 from adasum_lightning.optimizer import identical_gradients_message
+from adasum_lightning.reference import adasum_reduce
 from adasum_lightning.sharded import check_optimizer_of_sharded_module, check_sharded_parameters
 from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import expected_message

@@ -19,8 +19,8 @@ from adasum_lightning.horovod.support import (
     check_precision,
     check_world_size,
 )
-from adasum_lightning.launchers import DetectedLauncher
-from adasum_lightning.ops import is_power_of_two
+from adasum_lightning.launch_environment import DetectedLauncher
+from adasum_lightning.reference import is_power_of_two
 from tests.helpers import ROOT, mpi_env, quick_fit
 from tests.workers.lightning import HorovodAdasumStrategy, HorovodStrategy, pl
 from tests.workers.tiny import TinyModule

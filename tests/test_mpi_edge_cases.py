@@ -15,7 +15,7 @@ from adasum_lightning.horovod.support import (
     check_gradient_clipping,
     check_world_size,
 )
-from adasum_lightning.ops import adasum
+from adasum_lightning.reference import adasum
 from tests.cases import Launch, assert_refused_on_every_rank, case
 from tests.helpers import (
     assert_every_rank_says,

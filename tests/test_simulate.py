@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adasum_lightning.ops import adasum
+from adasum_lightning.reference import adasum
 from benchmarks.simulate import simulate, steps_per_epoch
 from tests.cases import Launch, case
 from tests.workers.lightning import pl

@@ -2,7 +2,7 @@
 
 Horovod (``horovodrun``/``mpirun``, the MNIST example under ``horovod_adasum``) with even and uneven
 placement, torchrun with ``ddp_adasum``, and a host lost
-in the middle of training for both launchers, with the settings of ``adasum_lightning.fault_tolerance``.
+in the middle of training for both launchers, with the settings of ``adasum_lightning.failure_detection``.
 Every rank's view is checked. Root only (skipped elsewhere, with the reason).
 """
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from adasum_lightning.fault_tolerance import (
+from adasum_lightning.failure_detection import (
     DDP_PROCESS_GROUP_TIMEOUT,
     ELASTIC_PROCESS_GROUP_TIMEOUT,
     MPI_FAULT_SETTINGS,

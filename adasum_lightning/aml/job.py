@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from adasum_lightning import fault_tolerance
+from adasum_lightning import failure_detection
 from adasum_lightning.aml.errors import AmlUsageError
 from adasum_lightning.aml.project import DataBinding, check_placeholders
-from adasum_lightning.ops import is_power_of_two, nearest_powers_of_two
+from adasum_lightning.reference import is_power_of_two, nearest_powers_of_two
 
 
 @dataclass(frozen=True)
@@ -444,7 +444,7 @@ class AmlJob:
         env = dict(DEFAULT_ENVIRONMENT_VARIABLES)
         env.update(self.topology_variables())
         if self.is_mpi:
-            env.update(fault_tolerance.mpi_env())
+            env.update(failure_detection.mpi_env())
         for key, value in dict(self.environment_variables).items():
             if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
                 raise AmlUsageError(f"environment variable name {key!r} is invalid: fix --env NAME=VALUE")
@@ -536,14 +536,14 @@ class AmlJob:
 
         Horovod strategies: ``--trainer.strategy=NAME --trainer.accelerator=gpu --trainer.devices=1``.
         ``ddp_adasum``: the strategy's class with the timeout
-        :data:`adasum_lightning.fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT`, ``--trainer.accelerator=gpu``,
+        :data:`adasum_lightning.failure_detection.DDP_PROCESS_GROUP_TIMEOUT`, ``--trainer.accelerator=gpu``,
         ``--trainer.devices=<processes per node>`` and ``--trainer.num_nodes=<nodes>``.
         """
         if self.is_mpi:
             return [f"--trainer.strategy={self.strategy}", "--trainer.accelerator=gpu", "--trainer.devices=1"]
         return [
             f"--trainer.strategy={DDP_STRATEGY_CLASS}",
-            f"--trainer.strategy.timeout={timedelta_arg(fault_tolerance.DDP_PROCESS_GROUP_TIMEOUT)}",
+            f"--trainer.strategy.timeout={timedelta_arg(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)}",
             "--trainer.accelerator=gpu",
             f"--trainer.devices={self.process_count_per_node}",
             f"--trainer.num_nodes={self.node_count}",

@@ -23,7 +23,7 @@ import adasum_lightning.checkpoint as ckpt
 from adasum_lightning._namespaces import register
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.checkpoint import Filter
-from adasum_lightning.launchers import check_strategy_world_size
+from adasum_lightning.launch_environment import check_strategy_world_size
 from adasum_lightning.local_sgd import (
     PeriodicSync,
     check_outer_optimizer_form,

@@ -25,10 +25,10 @@ import adasum_lightning.checkpoint as ckpt
 from adasum_lightning._namespaces import register
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.checkpoint import Filter, _is_stateful
-from adasum_lightning.launchers import check_strategy_world_size
+from adasum_lightning.errors import reported_on_every_rank
+from adasum_lightning.launch_environment import check_strategy_world_size
 from adasum_lightning.mesh import ReplicaMesh, broadcast_module_from_rank_zero, check_mesh_options
 from adasum_lightning.replicas import prepare_unwrapped_module, sampler_seed
-from adasum_lightning.reporting import reported_on_every_rank
 from adasum_lightning.sharded import (
     check_optimizer_of_sharded_module,
     full_state_dict,

@@ -26,10 +26,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from adasum_lightning._namespaces import register
+from adasum_lightning.errors import reported_on_every_rank
 from adasum_lightning.fabric._compat import BackwardSyncControl
 from adasum_lightning.horovod import support
 from adasum_lightning.horovod.process import HorovodProcess
-from adasum_lightning.launchers import (
+from adasum_lightning.launch_environment import (
     detect_launcher,
     launcher_local_rank,
     launcher_local_size,
@@ -38,7 +39,6 @@ from adasum_lightning.launchers import (
 )
 from adasum_lightning.learning_rate import check_lr_scaling, lr_factor, scale_learning_rates
 from adasum_lightning.replicas import prepare_unwrapped_module, sampler_seed
-from adasum_lightning.reporting import reported_on_every_rank
 
 __all__ = ["HorovodEnvironment", "HorovodStrategy", "HorovodAdasumStrategy"]
 

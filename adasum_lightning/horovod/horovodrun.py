@@ -1,7 +1,7 @@
 """``adasum-horovodrun``: ``horovodrun`` that passes SIGTERM, SIGINT and SIGHUP on to the job's ``mpirun``.
 
 Usage: ``horovodrun``'s arguments, e.g. ``adasum-horovodrun -np 8 -H host1:4,host2:4 python train.py``. It
-also sets the Open MPI settings of :mod:`adasum_lightning.fault_tolerance` (``OMPI_MCA_*``, unless set).
+also sets the Open MPI settings of :mod:`adasum_lightning.failure_detection` (``OMPI_MCA_*``, unless set).
 
 Why: ``horovodrun`` ends as ``/bin/sh -c "mpirun …"`` (https://github.com/horovod/horovod/pull/931); where
 ``/bin/sh`` is dash, a SIGTERM to it kills only that shell and the ranks train on (docs/launching.md).
@@ -66,7 +66,7 @@ def _signal_targets(child: int) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``horovodrun`` with ``argv`` and forward termination signals to the job; returns its exit status
     (128 + N when it died of signal N), or 2 without a traceback when Horovod is not installed."""
-    from adasum_lightning.fault_tolerance import mpi_env
+    from adasum_lightning.failure_detection import mpi_env
 
     args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)

@@ -14,10 +14,9 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from adasum_lightning.errors import AdasumConfigurationError
+from adasum_lightning.errors import AdasumConfigurationError, reported_on_every_rank
 from adasum_lightning.horovod import _compat, support
-from adasum_lightning.launchers import detect_launcher, launcher_rank
-from adasum_lightning.reporting import reported_on_every_rank
+from adasum_lightning.launch_environment import detect_launcher, launcher_rank
 
 __all__ = ["HorovodProcess", "agree_on_process_group", "process_group_address"]
 

@@ -22,8 +22,8 @@ import torch
 from torch.optim import Optimizer
 
 from adasum_lightning.errors import AdasumConfigurationError
-from adasum_lightning.launchers import DetectedLauncher
-from adasum_lightning.ops import is_power_of_two, nearest_powers_of_two
+from adasum_lightning.launch_environment import DetectedLauncher
+from adasum_lightning.reference import is_power_of_two, nearest_powers_of_two
 
 __all__ = [
     "HOROVOD_BUILD_PACKAGE",
@@ -118,7 +118,7 @@ def check_launch(
 
     Args:
         horovod_size: ``hvd.size()``.
-        launcher: :func:`adasum_lightning.launchers.detect_launcher` (None for a plain start).
+        launcher: :func:`adasum_lightning.launch_environment.detect_launcher` (None for a plain start).
         requested_devices: the ``devices`` the ``Trainer`` (or ``Fabric``) was given.
 
     Raises:

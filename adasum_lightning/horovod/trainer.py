@@ -151,7 +151,7 @@ class HorovodAdasumStrategy(HorovodStrategy):
     ``step()`` waits and sets the parameter to start + reduced delta. Each rank keeps its own optimizer state
     (e.g. momentum from its local gradients). Adasum of two deltas ``a``, ``b`` is
     ``(1 − a·b/2‖a‖²)·a + (1 − a·b/2‖b‖²)·b`` (Maleki et al., MLSys 2021;
-    :func:`adasum_lightning.ops.adasum`).
+    :func:`adasum_lightning.reference.adasum`).
 
     Learning rate, ``lr_scaling="auto"`` (Horovod's ``docs/adasum_user_guide.rst``): no world-size scaling.
     Factor 1 on CPU; ``hvd.local_size()`` when Horovod is NCCL-built and the model is on GPU, because NCCL

@@ -31,8 +31,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
-from adasum_lightning import reporting
 from adasum_lightning._namespaces import register
+from adasum_lightning.errors import reported_on_every_rank
 from adasum_lightning.learning_rate import (
     check_lr_scaling,
     lr_factor,
@@ -140,11 +140,11 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._uneven_warned = False  # the uneven-inputs warning: once per fit
         if fitting:
-            with reporting.reported_on_every_rank(self.global_rank):
+            with reported_on_every_rank(self.global_rank):
                 self._validate_trainer(trainer)
         super().setup(trainer)
         assert self.lightning_module is not None
-        with reporting.reported_on_every_rank(self.global_rank):
+        with reported_on_every_rank(self.global_rank):
             check_single_device(
                 self.strategy_name, [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
             )

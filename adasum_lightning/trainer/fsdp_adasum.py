@@ -19,9 +19,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
-from adasum_lightning import reporting
 from adasum_lightning.allreduce import release_workspace
-from adasum_lightning.launchers import check_strategy_world_size
+from adasum_lightning.errors import reported_on_every_rank
+from adasum_lightning.launch_environment import check_strategy_world_size
 from adasum_lightning.mesh import ReplicaMesh, broadcast_module_from_rank_zero, check_mesh_options
 from adasum_lightning.replicas import make_parameters_contiguous
 from adasum_lightning.sharded import (
@@ -176,7 +176,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         """Lightning's local step in this replica group (FSDP2), then the Adasum of the deltas across the
         groups (see the class)."""
         params = optimizer_parameters(optimizer)
-        with reporting.reported_on_every_rank(self.global_rank):
+        with reported_on_every_rank(self.global_rank):
             local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(self._local_step, optimizer, closure, model, kwargs)
         timeout = _compat.process_group_timeout(self)
@@ -312,7 +312,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         if self._sharded_path is not None:
             return self._load_sharded_optimizers(checkpoint)
         saved_mesh = checkpoint.get(ckpt.SHARDED_OPTIMIZER_MESH)
-        with reporting.reported_on_every_rank(self.global_rank):
+        with reported_on_every_rank(self.global_rank):
             ckpt.check_resume_mesh(saved_mesh or self.mesh_shape, self.mesh_shape, self.strategy_name)
         self._rank_file_fallback = saved_mesh is None  # a whole state stands in for another; a shard does not
         super().load_optimizer_state_dict(checkpoint)

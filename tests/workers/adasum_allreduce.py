@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import adasum_lightning.allreduce as ar
 from adasum_lightning.allreduce import adasum_allreduce
-from adasum_lightning.ops import ADASUM_NORM_EPS
+from adasum_lightning.reference import ADASUM_NORM_EPS
 from tests.workers import cases as runner
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import horovod.torch as hvd
 import torch
 
-from adasum_lightning.ops import adasum_reduce
+from adasum_lightning.reference import adasum_reduce
 from tests.workers import cases
 from tests.workers.lightning import HorovodAdasumStrategy, pl
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from adasum_lightning.errors import AdasumConfigurationError
-from adasum_lightning.launchers import launcher_rank
+from adasum_lightning.launch_environment import launcher_rank
 from tests.workers import cases
 from tests.workers.samples import IndexedData, tiny_net
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
-from adasum_lightning.fault_tolerance import MPI_FAULT_SETTINGS
+from adasum_lightning.failure_detection import MPI_FAULT_SETTINGS
 
 
 class Progress(pl.Callback):

@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adasum_lightning.errors import AdasumConfigurationError
-from adasum_lightning.reporting import reported_on_every_rank
+from adasum_lightning.errors import AdasumConfigurationError, reported_on_every_rank
 
 __all__ = [
     "DetectedLauncher",

@@ -1,9 +1,9 @@
-"""The reference Adasum operator (adasum_lightning.ops) on values worked out by hand."""
+"""The reference Adasum operator (adasum_lightning.reference) on values worked out by hand."""
 
 import pytest
 import torch
 
-from adasum_lightning.ops import (
+from adasum_lightning.reference import (
     ADASUM_NORM_EPS,
     adasum,
     adasum_reduce,

@@ -1,10 +1,10 @@
-"""What the launcher told this process (adasum_lightning.launchers), and the rule that it started the
+"""What the launcher told this process (adasum_lightning.launch_environment), and the rule that it started the
 processes the Trainer or Fabric describes."""
 
 import pytest
 
 from adasum_lightning.errors import AdasumConfigurationError
-from adasum_lightning.launchers import check_launcher_world_size, detect_launcher
+from adasum_lightning.launch_environment import check_launcher_world_size, detect_launcher
 
 
 @pytest.mark.parametrize(

@@ -326,9 +326,10 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_
     """The elastic recipe (docs/elastic.md): ``torchrun --nnodes 1:2 --max-restarts 3`` with
     ``TORCHRUN_ELASTIC_ARGS`` and ``TORCHRUN_ELASTIC_ENV`` on each host, ``ddp_adasum`` with
     ``ELASTIC_PROCESS_GROUP_TIMEOUT``, a ``ModelCheckpoint`` every 5 steps and ``fit(ckpt_path="last")``.
-    hostB's link is cut at step 20 of 60: hostA's agent restarts its two workers at world size 2 from the
-    last checkpoint; they train again within ``ELASTIC_RECOVERY_LIMIT_S``, reach ``max_steps`` with
-    identical parameters, and hostA's torchrun exits 0. With ``sync_every=10`` the cut falls inside a window
+    hostB's link is cut at step 22 of 60, between two saves (a cut during a save is refused on resume:
+    docs/elastic.md): hostA's agent restarts its two workers at world size 2 from the last checkpoint; they
+    train again within ``ELASTIC_RECOVERY_LIMIT_S``, reach ``max_steps`` with identical parameters, and
+    hostA's torchrun exits 0. With ``sync_every=10`` the cut falls inside a window
     (a checkpoint ends one early, on every rank)."""
     hosts = two_hosts
     for host in twohosts.HOSTS:
@@ -359,7 +360,7 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_
     )
     try:
         wait_for_training(tmp_path, 4, procs)
-        while max((row[2] for row in progress(tmp_path)), default=0) < 20:
+        while max((row[2] for row in progress(tmp_path)), default=0) < 22:  # between two saves
             time.sleep(0.05)
         cut = time.time()
         hosts.cut()

@@ -15,6 +15,8 @@ writer leaves the old file or the new one, never a torn one (a sharded folder is
 records what identifies it (:func:`save_identity`: the step and an id rank 0 draws) in the checkpoint and in
 each companion file; a resume reads them before any step and refuses on every rank, naming the file, its
 rank and the fix, when one is missing (where no documented fallback exists), unreadable or from another save.
+A rank file is committed in two phases (:func:`save_rank_file`, :func:`commit_rank_file`), so that a save cut
+short (a host lost mid-save) leaves a rank file of the checkpoint's own save.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "Filter",
     "RANK_OPTIMIZER_STATES",
     "SAVE_IDENTITY",
+    "PENDING",
     "SHARDED_OPTIMIZER_MESH",
     "SHARDED_LAYOUTS",
     "SHARDED_META",
@@ -55,6 +58,7 @@ __all__ = [
     "read_checkpoint",
     "written_in_place",
     "save_rank_file",
+    "commit_rank_file",
     "remove_rank_file",
     "load_rank_optimizer_states",
     "refuse_on_every_rank",
@@ -96,6 +100,8 @@ READ_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSErr
 #: ``fabric.save``'s ``filter``: per key of the state, which of its items to keep.
 Filter = Mapping[str, Callable[[str, Any], bool]]
 
+#: The suffix of a rank file written but not committed yet (:func:`commit_rank_file`).
+PENDING = ".next"
 #: The sharded folder's entry with the save id (16 bytes as ``uint8``), checked against ``meta.pt``'s.
 _SAVE_ID_ENTRY = "adasum_save_id"
 
@@ -216,15 +222,27 @@ def refuse_on_every_rank(problem: str | None) -> None:
 def save_rank_file(
     checkpoint_path: Any, rank: int, optimizer_states: Any, identity: Mapping[str, Any]
 ) -> None:
-    """Rank ``rank``'s optimizer state beside the checkpoint, with the save's identity."""
+    """Rank ``rank``'s optimizer state, with the save's identity, to its rank file + :data:`PENDING`; the
+    file replaces the rank file in :func:`commit_rank_file`, once the checkpoint is in place."""
     own = {"optimizer_states": optimizer_states, "rank": rank, SAVE_IDENTITY: dict(identity)}
-    save_file(own, rank_optimizer_path(checkpoint_path, rank))
+    save_file(own, rank_optimizer_path(checkpoint_path, rank) + PENDING)
+
+
+def commit_rank_file(checkpoint_path: Any, rank: int, barrier: Callable[[], Any]) -> None:
+    """After ``barrier`` (a collective that every rank calls once rank 0 has written the checkpoint), rank
+    ``rank``'s pending file becomes its rank file. A save cut short before leaves the old checkpoint with its
+    rank files; one cut short after leaves the new checkpoint with its pending files, which a resume reads."""
+    barrier()
+    path = rank_optimizer_path(checkpoint_path, rank)
+    if os.path.exists(path + PENDING):
+        os.replace(path + PENDING, path)
 
 
 def remove_rank_file(checkpoint_path: Any, rank: int) -> None:
     path = rank_optimizer_path(checkpoint_path, rank)
-    if os.path.lexists(path):
-        os.remove(path)
+    for name in (path, path + PENDING):
+        if os.path.lexists(name):
+            os.remove(name)
 
 
 def load_rank_optimizer_states(
@@ -257,6 +275,9 @@ def _read_rank_file(
     checkpoint_path: Any, source: int, rank: int, identity: Mapping[str, Any] | None, fallback: bool
 ) -> tuple[Any, str | None]:
     path = rank_optimizer_path(checkpoint_path, source)
+    pending = _pending_of_save(path + PENDING, identity)
+    if pending is not None:  # the checkpoint was written, the rank file not committed yet
+        return pending["optimizer_states"], None
     instead = f"delete it to resume rank {rank} from rank 0's optimizer state, or " if fallback else ""
     try:
         saved = _load_file(path)
@@ -284,6 +305,18 @@ def _read_rank_file(
             "ckpt_path=None to start from scratch."
         )
     return saved["optimizer_states"], None
+
+
+def _pending_of_save(path: str, identity: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The pending rank file ``path`` when it is of the save ``identity`` (else None: absent, unreadable or of
+    another save, a save that was cut short before its checkpoint was written)."""
+    if identity is None or not os.path.exists(path):
+        return None
+    try:
+        saved = _load_file(path)
+    except READ_ERRORS:
+        return None
+    return saved if isinstance(saved, dict) and saved.get(SAVE_IDENTITY) == dict(identity) else None
 
 
 # ----------------------------------------------------------------------------- windows

@@ -44,6 +44,8 @@ def test_a_rank_file_is_tied_to_its_save(tmp_path):
     identity = ckpt.save_identity(20, one_rank)
     assert identity["global_step"] == 20 and len(identity["save_id"]) == 32
     ckpt.save_rank_file(path, 1, ["state of rank 1"], identity)
+    ckpt.commit_rank_file(path, 1, barrier=lambda: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt.rank1-optimizer.pt"]
     saved = torch.load(ckpt.rank_optimizer_path(path, 1), weights_only=False)
     assert saved == {"optimizer_states": ["state of rank 1"], "rank": 1, "adasum_save_identity": identity}
     assert ckpt.load_rank_optimizer_states(path, 1, 3, identity, fallback=False) == ["state of rank 1"]
@@ -72,6 +74,7 @@ def test_a_missing_or_truncated_rank_file_is_named_with_the_fix(tmp_path):
         "checkpoint, or resume from another checkpoint."
     )
     ckpt.save_rank_file(path, 1, ["state"], identity)
+    ckpt.commit_rank_file(path, 1, barrier=lambda: None)
     rank_file = ckpt.rank_optimizer_path(path, 1)
     with open(rank_file, "r+b") as f:
         f.truncate(os.path.getsize(rank_file) // 2)
@@ -86,6 +89,37 @@ def test_a_missing_or_truncated_rank_file_is_named_with_the_fix(tmp_path):
         "it is truncated or corrupt. Resume from another checkpoint, or delete it to resume rank 1 from rank "
         "0's optimizer state, or pass ckpt_path=None to start from scratch."
     )
+
+
+def test_a_save_cut_short_leaves_the_rank_file_of_the_checkpoints_own_save(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    rank_file = ckpt.rank_optimizer_path(path, 1)
+    old = ckpt.save_identity(20, one_rank)
+    ckpt.save_rank_file(path, 1, ["step 20"], old)
+    ckpt.commit_rank_file(path, 1, barrier=lambda: None)
+    new = ckpt.save_identity(25, one_rank)
+    ckpt.save_rank_file(path, 1, ["step 25"], new)  # the host is lost here: last.ckpt is still step 20's
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.ckpt.rank1-optimizer.pt",
+        "last.ckpt.rank1-optimizer.pt.next",
+    ]
+    assert ckpt.load_rank_optimizer_states(path, 1, 1, old, fallback=False) == ["step 20"]
+    # lost after rank 0 wrote step 25's last.ckpt, before the barrier: the pending file is that save's
+    assert ckpt.load_rank_optimizer_states(path, 1, 1, new, fallback=False) == ["step 25"]
+
+    def lost_peer() -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        ckpt.commit_rank_file(path, 1, barrier=lost_peer)
+    assert torch.load(rank_file, weights_only=False)["optimizer_states"] == ["step 20"]  # not committed
+    ckpt.commit_rank_file(path, 1, barrier=lambda: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt.rank1-optimizer.pt"]
+    assert ckpt.load_rank_optimizer_states(path, 1, 1, new, fallback=False) == ["step 25"]
+    with pytest.raises(IncompleteCheckpointError, match="is from another save than checkpoint"):
+        ckpt.load_rank_optimizer_states(path, 1, 1, old, fallback=False)
+    ckpt.remove_rank_file(path, 1)
+    assert list(tmp_path.iterdir()) == []
 
 
 def save_folder(folder, step: int, value: float) -> dict:

@@ -222,6 +222,31 @@ def test_a_rank_file_of_another_save_is_refused_on_every_rank_naming_both_files(
     assert not list(after.out.glob("rank*.pt"))  # no rank trained
 
 
+CUT_SHORT = {
+    when: damaged(f"cut-{when}", SAVED_2, f"cut-{when}-checkpoint", f"{{{WHOLE.name}}}")
+    for when in ("before", "after")
+}
+
+
+@pytest.mark.parametrize(
+    "when", [pytest.param(w, marks=pytest.mark.cases(SAVED_2, WHOLE, *cs)) for w, cs in CUT_SHORT.items()]
+)
+def test_a_save_cut_short_resumes_every_rank_from_the_checkpoints_own_save(when, cases):
+    before, (copy, after) = cases[SAVED_2], (cases[c] for c in CUT_SHORT[when])
+    rank_file = rank_optimizer_path(os.path.realpath(checkpoint_of(copy.out)), 1)
+    committed, pending = (
+        torch.load(f, weights_only=False)[SAVE_IDENTITY] for f in (rank_file, f"{rank_file}.next")
+    )
+    # before rank 0 wrote the checkpoint, the pending file is the cut save's (step 16 here); after, it is
+    # the checkpoint's own and the committed file the save's before (step 16 here)
+    assert (committed["global_step"], pending["global_step"]) == ((8, 16) if when == "before" else (16, 8))
+    assert_ranks_identical(after.ranks)
+    for r, res in enumerate(after.ranks):
+        assert res["global_step_start"] == 8 and res["global_step"] == 16
+        assert_same_state(res["start_opt_state"], before.ranks[r]["end_opt_state"], f"rank {r}")
+    assert "is missing" not in after.case_output
+
+
 @pytest.mark.cases(*TRUNCATED)
 def test_a_truncated_rank_file_is_named_on_every_rank(cases):
     copy, after = cases[TRUNCATED[1]], cases[TRUNCATED[2]]

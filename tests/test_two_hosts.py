@@ -237,13 +237,20 @@ def test_lost_host_ends_a_horovod_job(two_hosts, tmp_path, mnist_root):
 
 # ---------------------------------------------------------------------------------------------- torchrun
 def start_torchrun(
-    hosts, out: Path, *worker_args: str, args=(), nnodes: str = "2", env: Mapping[str, str] | None = None
+    hosts,
+    out: Path,
+    *worker_args: str,
+    args=(),
+    nnodes: str = "2",
+    env: Mapping[str, str] | None = None,
+    on=twohosts.HOSTS,
+    log_suffix: str = "",
 ) -> dict[str, subprocess.Popen]:
-    """torchrun (with ``args``, and ``env`` added to its environment) on each host, 2 processes each; output
-    in ``out/torchrun-<host>.log``."""
+    """torchrun (with ``args``, and ``env`` added to its environment) on each host of ``on``, 2 processes
+    each; output in ``out/torchrun-<host><log_suffix>.log``."""
     procs = {}
-    for host in twohosts.HOSTS:
-        with (out / f"torchrun-{host}.log").open("w") as log:
+    for host in on:
+        with (out / f"torchrun-{host}{log_suffix}.log").open("w") as log:
             procs[host] = hosts.popen(
                 host, *hosts.torchrun_cmd(2, args=args, nnodes=nnodes), *DDP_WORKER, str(out), *worker_args,
                 stdout=log, stderr=subprocess.STDOUT, timeout=300, env={**hosts.env(), **(env or {})},
@@ -326,17 +333,19 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_
     """The elastic recipe (docs/elastic.md): ``torchrun --nnodes 1:2 --max-restarts 3`` with
     ``TORCHRUN_ELASTIC_ARGS`` and ``TORCHRUN_ELASTIC_ENV`` on each host, ``ddp_adasum`` with
     ``ELASTIC_PROCESS_GROUP_TIMEOUT``, a ``ModelCheckpoint`` every 5 steps and ``fit(ckpt_path="last")``.
-    hostB's link is cut at step 22 of 60, between two saves (a cut during a save is refused on resume:
-    docs/elastic.md): hostA's agent restarts its two workers at world size 2 from the last checkpoint; they
-    train again within ``ELASTIC_RECOVERY_LIMIT_S``, reach ``max_steps`` with identical parameters, and
-    hostA's torchrun exits 0. With ``sync_every=10`` the cut falls inside a window
-    (a checkpoint ends one early, on every rank)."""
-    hosts = two_hosts
+    hostB's link is cut at step 22: hostA's agent restarts its two workers at world size 2 from the last
+    checkpoint; they train again within ``ELASTIC_RECOVERY_LIMIT_S`` with at most one checkpoint interval
+    lost. With ``sync_every=1`` hostB then comes back (its agent started again, at step 35): the job grows
+    back to world size 4 from the last checkpoint and its 4 ranks reach step 90 identical; with
+    ``sync_every=10`` (the cut inside a window; a checkpoint ends one early, on every rank) the 2 survivors
+    reach step 60 identical. Every torchrun still running at the end exits 0."""
+    hosts, grow = two_hosts, sync_every == 1
     for host in twohosts.HOSTS:
         check(hosts.run(host, *tcp_retries2_sysctl()), f"sysctl on {host}")
+    max_steps = 90 if grow else 60
     timeout = str(ELASTIC_PROCESS_GROUP_TIMEOUT.total_seconds())
     worker_args = ["--strategy", "ddp_adasum", "--pg-timeout", timeout, "--samples", "100000"]
-    worker_args += ["--max-steps", "60", "--checkpoint-every", "5", "--step-seconds", "0.25"]
+    worker_args += ["--max-steps", str(max_steps), "--checkpoint-every", "5", "--step-seconds", "0.25"]
     worker_args += ["--sync-every", str(sync_every)] if sync_every > 1 else []
     # the recipe as docs/elastic.md shows it: torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3
     # --shutdown-timeout 5 --rdzv-backend c10d --rdzv-endpoint hostA:29400 --rdzv-id ID --rdzv-conf
@@ -355,41 +364,63 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(two_
         "hostA:29400",
     ]
     assert command[9] == "--rdzv-id" and DDP_WORKER == ["-m", "tests.workers.twohost_ddp"]
-    procs = start_torchrun(
-        hosts, tmp_path, *worker_args, args=command[11:], nnodes="1:2", env=TORCHRUN_ELASTIC_ENV
-    )
+    launch = dict(args=command[11:], nnodes="1:2", env=TORCHRUN_ELASTIC_ENV)
+    procs = start_torchrun(hosts, tmp_path, *worker_args, **launch)
+    rejoin = None
     try:
         wait_for_training(tmp_path, 4, procs)
         while max((row[2] for row in progress(tmp_path)), default=0) < 22:  # between two saves
             time.sleep(0.05)
         cut = time.time()
         hosts.cut()
-        procs["hostA"].wait(timeout=240)
+        if grow:  # hostB comes back once the survivors train again: its processes gone, its agent restarted
+            before = {row[1] for row in progress(tmp_path) if row[3] < cut}
+            while max((r[2] for r in progress(tmp_path) if r[1] not in before), default=0) < 35:
+                assert procs["hostA"].poll() is None, read_log(tmp_path / "torchrun-hostA.log")[-6000:]
+                time.sleep(0.05)
+            hosts.kill_all(hosts=["hostB"])
+            procs.pop("hostB").wait(timeout=30)
+            hosts.restore()
+            rejoin = time.time()
+            procs |= start_torchrun(
+                hosts, tmp_path, *worker_args, **launch, on=["hostB"], log_suffix="-again"
+            )
+        for proc in procs.values():
+            proc.wait(timeout=240)
     finally:
         hosts.kill_all()
         for proc in procs.values():
             proc.wait(timeout=30)
-    log = read_log(tmp_path / "torchrun-hostA.log")
-    assert procs["hostA"].returncode == 0, log[-6000:]
+    logs = {name: read_log(tmp_path / f"torchrun-{name}.log") for name in ("hostA", "hostB-again")}
+    for host, proc in procs.items():
+        assert proc.returncode == 0, (host, logs["hostA"][-6000:], logs["hostB-again"][-6000:])
     rows = progress(tmp_path)
     before = {pid for _, pid, _, when in rows if when < cut}
     at_cut = max(step for _, _, step, when in rows if when < cut)
-    after = [row for row in rows if row[1] not in before]
-    assert sorted({rank for rank, *_ in after}) == [0, 1], after[:4]  # hostA's two workers, restarted
-    resumed = min(step for _, _, step, _ in after) - 1  # the first step after the restart, less one
-    again = after[0][3] - cut
+    shrunk = [row for row in rows if row[1] not in before and (rejoin is None or row[3] < rejoin)]
+    assert sorted({rank for rank, *_ in shrunk}) == [0, 1], shrunk[:4]  # hostA's two workers, restarted
+    resumed = min(step for _, _, step, _ in shrunk) - 1  # the first step after the restart, less one
+    again = shrunk[0][3] - cut
     print(f"cut at step {at_cut}; resumed from step {resumed}; training again {again:.1f} s after the cut")
     assert at_cut - 5 <= resumed <= at_cut, (at_cut, resumed)  # at most one checkpoint interval lost
     assert again <= ELASTIC_RECOVERY_LIMIT_S, again
     last = tmp_path / "checkpoints" / "last.ckpt"
     line = f"DDPAdasumStrategy: resumed from {last} at step {resumed} (world size 4 -> 2; torchrun restart 1)"
-    assert line in log, log[-6000:]
-    ranks = load_ranks(tmp_path, 2)
+    assert line in logs["hostA"], logs["hostA"][-6000:]
+    world_size, start = 2, resumed
+    if grow:
+        grown = [row for row in rows if row[3] > rejoin and row[1] not in {r[1] for r in shrunk} | before]
+        assert sorted({rank for rank, *_ in grown}) == [0, 1, 2, 3], grown[:8]
+        world_size, start = 4, min(step for _, _, step, _ in grown) - 1
+        print(f"hostB back: training at world size 4 from step {start}, {grown[0][3] - rejoin:.1f} s after")
+        line = f"DDPAdasumStrategy: resumed from {last} at step {start} (world size 2 -> 4; torchrun restart "
+        assert re.search(re.escape(line) + r"\d\)", logs["hostA"] + logs["hostB-again"]), logs
+    ranks = load_ranks(tmp_path, world_size)
     for r, res in enumerate(ranks):
-        assert res["trainer"]["world_size"] == 2 and res["trainer"]["global_step"] == 60, r
+        assert res["trainer"]["world_size"] == world_size and res["trainer"]["global_step"] == max_steps, r
         # the resumed epoch starts over: rank r reads its shard of the new world from the epoch's start (the
         # same seed and epoch), in batches of 4, for the steps left
-        sampler = DistributedSampler(range(100000), num_replicas=2, rank=r, shuffle=True, seed=100)
+        sampler = DistributedSampler(range(100000), num_replicas=world_size, rank=r, shuffle=True, seed=100)
         sampler.set_epoch(0)
-        assert res["indices"] == list(sampler)[: 4 * (60 - resumed)], (r, res["indices"][:8])
+        assert res["indices"] == list(sampler)[: 4 * (max_steps - start)], (r, res["indices"][:8])
     assert_identical_parameters(ranks)

@@ -191,12 +191,13 @@ class TwoHosts:
                 lines.append(f"{pid} {cmd.strip()[:width]}")
         return lines
 
-    def kill_all(self, timeout: float = 10.0) -> dict[str, list[str]]:
-        """SIGKILL every process in both namespaces until none is left; returns what was killed."""
+    def kill_all(self, timeout: float = 10.0, hosts: Sequence[str] = HOSTS) -> dict[str, list[str]]:
+        """SIGKILL every process in the namespaces of ``hosts`` (both by default) until none is left; returns
+        what was killed."""
         killed: dict[str, list[str]] = {}
         deadline = time.monotonic() + timeout
         while True:
-            left = {h: p for h, p in self.all_pids().items() if p}
+            left = {h: p for h, p in self.all_pids().items() if p and h in hosts}
             if not left or time.monotonic() > deadline:
                 break
             for host, pids in left.items():

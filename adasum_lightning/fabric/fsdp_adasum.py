@@ -253,6 +253,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         if self.global_rank == 0:
             in_place = type(self.checkpoint_io) is TorchCheckpointIO
             ckpt.save_through(self.checkpoint_io, converted, path, storage_options, in_place)
+        if keys:
+            ckpt.commit_rank_file(path, self.global_rank, self.barrier)
 
     def _save_sharded(self, path: Any, state: dict[str, Any]) -> None:
         """``torch.distributed.checkpoint`` of each module's shards (``<key>.<name>``) and of every replica

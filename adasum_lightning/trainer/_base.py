@@ -314,6 +314,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         if self.is_global_zero:
             in_place = type(self.checkpoint_io) is TorchCheckpointIO
             ckpt.save_through(self.checkpoint_io, checkpoint, filepath, storage_options, in_place)
+        if ckpt.RANK_OPTIMIZER_STATES in checkpoint:
+            ckpt.commit_rank_file(filepath, self.global_rank, self.barrier)
 
     def _with_rank_files(self, checkpoint: dict[str, Any], filepath: Any) -> dict[str, Any]:
         """Write this rank's file (ranks ≥ 1); the checkpoint with the world size, learning-rate factor and

@@ -10,14 +10,19 @@ one ``*.ckpt``; the copy keeps its name, beside its ``.rank<r>-optimizer.pt`` fi
 - ``truncate R``: cut rank R's optimizer file to half its length (a writer killed mid-file);
 - ``other-save OTHER``: rank 1's optimizer file taken from checkpoint OTHER (resolved as SOURCE): a file
   of another save beside the checkpoint;
+- ``cut-after-checkpoint OTHER``: a save cut short after rank 0 wrote the checkpoint: rank 1's file of
+  this save pending (``.next``), its committed file taken from checkpoint OTHER;
+- ``cut-before-checkpoint OTHER``: a save cut short before rank 0 wrote its checkpoint: rank 1's file of
+  checkpoint OTHER pending beside this save's files;
 - ``truncate-meta``: cut a sharded folder's ``meta.pt`` to half its length;
 - ``drop-shard``: delete a sharded folder's ``__1_0.distcp`` (rank 1's shards).
 """
 
+import os
 import shutil
 from pathlib import Path
 
-from adasum_lightning.checkpoint import rank_optimizer_path
+from adasum_lightning.checkpoint import PENDING, rank_optimizer_path
 from tests.workers import cases
 
 
@@ -49,6 +54,11 @@ if cases.rank() == 0:
         truncate(Path(rank_optimizer_path(copy, int(arg))))
     elif mode == "other-save":
         shutil.copy2(rank_optimizer_path(resolve(arg), 1), rank_optimizer_path(copy, 1))
+    elif mode == "cut-after-checkpoint":
+        os.replace(rank_optimizer_path(copy, 1), rank_optimizer_path(copy, 1) + PENDING)
+        shutil.copy2(rank_optimizer_path(resolve(arg), 1), rank_optimizer_path(copy, 1))
+    elif mode == "cut-before-checkpoint":
+        shutil.copy2(rank_optimizer_path(resolve(arg), 1), rank_optimizer_path(copy, 1) + PENDING)
     elif mode == "truncate-meta":
         truncate(copy / "meta.pt")
     elif mode == "drop-shard":

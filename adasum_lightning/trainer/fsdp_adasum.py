@@ -290,6 +290,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         if self._sharded_path is None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         meta = ckpt.read_sharded_meta(checkpoint_path)
+        self._checkpoint_path = checkpoint_path
+        self._resumed_world_size = (meta.get(ckpt.RANK_OPTIMIZER_STATES) or {}).get("world_size")
         return {**meta, "state_dict": {}}  # the model's tensors: load_model_state_dict
 
     @override

@@ -2,11 +2,12 @@
 what it saw to ``OUT_DIR/rank{r}.pt``.
 
 usage: python -m tests.workers.twohost_ddp OUT_DIR [--strategy NAME] [--epochs N] [--pg-timeout S]
-    [--max-steps N --checkpoint-every K [--step-seconds T]] [--sync-every H]
+    [--max-steps N --checkpoint-every K [--step-seconds T]] [--sync-every H] [--state-dict-type sharded]
 
 ``--strategy`` is a name from Lightning's strategy registry (``ddp_adasum``, or e.g. Lightning's ``ddp``).
 ``--pg-timeout S`` builds the strategy with ``timeout=timedelta(seconds=S)`` (the process group's
-timeout: how long a collective waits for a lost peer); ``--sync-every H`` with ``sync_every=H``. The
+timeout: how long a collective waits for a lost peer); ``--sync-every H`` with ``sync_every=H``;
+``--state-dict-type`` with ``state_dict_type=`` (``fsdp_adasum``). The
 Trainer gets ``accelerator="cpu", devices=LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE``
 from torchrun's variables.
 Each rank writes its latest global step to ``OUT_DIR/step-rank{r}`` after every batch.
@@ -25,12 +26,14 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import StrategyRegistry
+from torch.distributed.tensor import DTensor
 
 import adasum_lightning  # noqa: F401  (registers this project's strategies)
 from tests.workers.tiny import TinyModule
@@ -53,15 +56,14 @@ class Progress(pl.Callback):
                 f.write(f"{os.getpid()} {trainer.global_step} {time.time():.3f}\n")
 
 
-def build_strategy(name: str, pg_timeout: float | None, sync_every: int | None = None):
-    if pg_timeout is None and sync_every is None:
+def build_strategy(name: str, pg_timeout: float | None, **options: Any):
+    options = {k: v for k, v in options.items() if v is not None}
+    if pg_timeout is None and not options:
         return name
     entry = StrategyRegistry[name]
-    params = dict(entry["init_params"])
+    params = {**entry["init_params"], **options}
     if pg_timeout is not None:
         params["timeout"] = datetime.timedelta(seconds=pg_timeout)
-    if sync_every is not None:
-        params["sync_every"] = sync_every
     return entry["strategy"](**params)
 
 
@@ -76,6 +78,7 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=None)
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--sync-every", type=int, default=None)
+    p.add_argument("--state-dict-type", default=None)
     args = p.parse_args()
     elastic = args.checkpoint_every is not None
     out = Path(args.out)
@@ -87,7 +90,9 @@ def main() -> None:
     torch.manual_seed(1000 + int(os.environ["RANK"]))
     model = TinyModule(n=args.samples)
     trainer = pl.Trainer(
-        strategy=build_strategy(args.strategy, args.pg_timeout, args.sync_every),
+        strategy=build_strategy(
+            args.strategy, args.pg_timeout, sync_every=args.sync_every, state_dict_type=args.state_dict_type
+        ),
         accelerator="cpu",
         devices=local_size,
         num_nodes=int(os.environ["WORLD_SIZE"]) // local_size,
@@ -138,8 +143,13 @@ def main() -> None:
         "strategy": type(trainer.strategy).__name__,
         "environment": type(trainer.strategy.cluster_environment).__name__,
         "indices": model.record["indices"],
-        "start": model.record["start"],
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "start": {
+            k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in model.record["start"].items()
+        },
+        "params": {  # whole tensors (a collective over the shard group under fsdp_adasum)
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()
+        },
     }
     torch.save(record, out / f"rank{trainer.global_rank}.pt")
 

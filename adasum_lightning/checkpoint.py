@@ -42,6 +42,7 @@ __all__ = [
     "Filter",
     "RANK_OPTIMIZER_STATES",
     "SAVE_IDENTITY",
+    "SAVED_WORLD_SIZE",
     "PENDING",
     "SHARDED_OPTIMIZER_MESH",
     "SHARDED_LAYOUTS",
@@ -51,6 +52,7 @@ __all__ = [
     "READ_ERRORS",
     "rank_optimizer_path",
     "source_rank",
+    "resume_line",
     "save_identity",
     "save_file",
     "save_through",
@@ -82,6 +84,9 @@ __all__ = [
 RANK_OPTIMIZER_STATES = "adasum_rank_optimizer_states"
 #: What identifies one save (:func:`save_identity`), in the checkpoint and in each of its companion files.
 SAVE_IDENTITY = "adasum_save_identity"
+#: The world size of the save, in the checkpoints of Fabric's ``ddp_adasum`` (the Trainer's strategies keep it
+#: in :data:`RANK_OPTIMIZER_STATES`).
+SAVED_WORLD_SIZE = "adasum_world_size"
 #: The mesh ``[replica groups, shard_size]`` whose ranks saved their own optimizer shards (``fsdp_adasum``).
 SHARDED_OPTIMIZER_MESH = "adasum_sharded_optimizer_mesh"
 #: The key of a sharded folder's ``meta.pt`` with each optimizer's state layout.
@@ -120,6 +125,17 @@ def rank_optimizer_path(checkpoint_path: Any, rank: int) -> str:
 def source_rank(rank: int, saved_world_size: int) -> int:
     """The saved rank (or replica group) whose optimizer state ``rank`` resumes from: ``rank mod N_old``."""
     return rank % int(saved_world_size)
+
+
+def resume_line(owner: str, path: Any, step: Any, saved_world_size: Any, world_size: int) -> str:
+    """Rank 0's line after a resume: the file, the step, the world size saved and now, torchrun's restart
+    count (``TORCHELASTIC_RESTART_COUNT``, shown when not 0)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return (
+        f"{owner}: resumed from {path} at step {step} (world size {saved_world_size or '?'} -> {world_size}"
+        + (f"; torchrun restart {restart}" if restart != "0" else "")
+        + "); the steps since that checkpoint were lost"
+    )
 
 
 def save_identity(step: Any, broadcast: Callable[[Any], Any]) -> dict[str, Any]:

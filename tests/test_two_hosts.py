@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.twohosts]
 
 FIT_WORKER = [sys.executable, "-m", "tests.workers.twohost_fit"]
 DDP_WORKER = ["-m", "tests.workers.twohost_ddp"]  # after torchrun's own arguments
+LOOP_WORKER = ["-m", "tests.workers.twohost_loop"]  # the recipe in a Fabric or a plain loop
 #: A lost host must end every process of the job within this many seconds of the cut.
 LOST_NODE_LIMIT_S = 60
 #: Under the elastic recipe the survivors train again within this many seconds of losing a host.
@@ -245,6 +246,7 @@ def start_torchrun(
     env: Mapping[str, str] | None = None,
     on=twohosts.HOSTS,
     log_suffix: str = "",
+    worker=DDP_WORKER,
 ) -> dict[str, subprocess.Popen]:
     """torchrun (with ``args``, and ``env`` added to its environment) on each host of ``on``, 2 processes
     each; output in ``out/torchrun-<host><log_suffix>.log``."""
@@ -252,7 +254,7 @@ def start_torchrun(
     for host in on:
         with (out / f"torchrun-{host}{log_suffix}.log").open("w") as log:
             procs[host] = hosts.popen(
-                host, *hosts.torchrun_cmd(2, args=args, nnodes=nnodes), *DDP_WORKER, str(out), *worker_args,
+                host, *hosts.torchrun_cmd(2, args=args, nnodes=nnodes), *worker, str(out), *worker_args,
                 stdout=log, stderr=subprocess.STDOUT, timeout=300, env={**hosts.env(), **(env or {})},
             )  # fmt: skip
     return procs
@@ -328,7 +330,10 @@ def progress(out: Path) -> list[tuple[int, int, int, float]]:
 
 
 @pytest.mark.walltime
-@pytest.mark.parametrize("strategy, sync_every", [("ddp_adasum", 1), ("ddp_adasum", 10), ("fsdp_adasum", 1)])
+@pytest.mark.parametrize(
+    "strategy, sync_every",
+    [("ddp_adasum", 1), ("ddp_adasum", 10), ("fsdp_adasum", 1), ("fabric", 1), ("plain", 1)],
+)
 def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(
     two_hosts, tmp_path, strategy, sync_every
 ):
@@ -341,14 +346,23 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(
     back to world size 4 from the last checkpoint and its 4 ranks reach step 90 identical. With
     ``sync_every=10`` (the cut inside a window; a checkpoint ends one early, on every rank) and with
     ``fsdp_adasum`` (a 2 × 2 mesh, one shard group per host, that loses a replica group; sharded checkpoints,
-    resumed on the 1 × 2 mesh) the 2 survivors reach step 60 identical. Every torchrun still running at the
-    end exits 0."""
+    resumed on the 1 × 2 mesh), and with the recipe in a Fabric loop (``ddp_adasum``) and in a plain loop
+    (``AdasumOptimizer``; ``tests/workers/twohost_loop.py``), the 2 survivors reach step 60 identical. Every
+    torchrun still running at the end exits 0."""
     hosts, grow = two_hosts, (strategy, sync_every) == ("ddp_adasum", 1)
     for host in twohosts.HOSTS:
         check(hosts.run(host, *tcp_retries2_sysctl()), f"sysctl on {host}")
     max_steps = 90 if grow else 60
     timeout = str(ELASTIC_PROCESS_GROUP_TIMEOUT.total_seconds())
-    worker_args = ["--strategy", strategy, "--pg-timeout", timeout, "--samples", "100000"]
+    loop = strategy in ("fabric", "plain")
+    worker_args = [
+        "--form" if loop else "--strategy",
+        strategy,
+        "--pg-timeout",
+        timeout,
+        "--samples",
+        "100000",
+    ]
     worker_args += ["--max-steps", str(max_steps), "--checkpoint-every", "5", "--step-seconds", "0.25"]
     worker_args += ["--sync-every", str(sync_every)] if sync_every > 1 else []
     worker_args += ["--state-dict-type", "sharded"] if strategy == "fsdp_adasum" else []
@@ -369,7 +383,9 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(
         "hostA:29400",
     ]
     assert command[9] == "--rdzv-id" and DDP_WORKER == ["-m", "tests.workers.twohost_ddp"]
-    launch = dict(args=command[11:], nnodes="1:2", env=TORCHRUN_ELASTIC_ENV)
+    launch = dict(
+        args=command[11:], nnodes="1:2", env=TORCHRUN_ELASTIC_ENV, worker=LOOP_WORKER if loop else DDP_WORKER
+    )
     procs = start_torchrun(hosts, tmp_path, *worker_args, **launch)
     rejoin = None
     try:
@@ -414,7 +430,7 @@ def test_a_lost_host_costs_the_survivors_one_restart_under_elastic_torchrun(
     assert at_cut - 5 <= resumed <= at_cut, (at_cut, resumed)  # at most one checkpoint interval lost
     assert again <= ELASTIC_RECOVERY_LIMIT_S, again
     last = tmp_path / "checkpoints" / "last.ckpt"
-    name = {"ddp_adasum": "DDPAdasumStrategy", "fsdp_adasum": "FSDPAdasumStrategy"}[strategy]
+    name = {"fsdp_adasum": "FSDPAdasumStrategy", "plain": "plain loop"}.get(strategy, "DDPAdasumStrategy")
     line = f"{name}: resumed from {last} at step {resumed} (world size 4 -> 2; torchrun restart 1)"
     assert line in logs["hostA"], logs["hostA"][-6000:]
     world_size, start = 2, resumed

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning_fabric.accelerators import Accelerator
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision, TorchCheckpointIO
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fabric.utilities.rank_zero import rank_zero_warn
+from lightning_fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -187,6 +187,7 @@ class DDPAdasumStrategy(DDPStrategy):
     ) -> None:
         """End the windows (the file holds the synced parameters, their state), then rank 0 saves in place."""
         self.end_windows()
+        state = {**state, ckpt.SAVED_WORLD_SIZE: self.world_size}
         if self._periodic:
             state = {**state, ckpt.PERIODIC_SYNC_STATES: ckpt.window_states(list(self._periodic.values()))}
         converted, _ = ckpt.convert_state(state, self.get_module_state_dict, self.get_optimizer_state, filter)
@@ -198,9 +199,15 @@ class DDPAdasumStrategy(DDPStrategy):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any
     ) -> dict[str, Any]:
-        """Fabric's load; the windows restore their positions and outer states at their first steps."""
+        """Fabric's load, then rank 0's resume line; the windows restore their positions and outer states at
+        their first steps."""
         remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
-        if isinstance(remainder, dict) and ckpt.PERIODIC_SYNC_STATES in remainder:
+        if not isinstance(remainder, dict):
+            return remainder
+        saved = remainder.pop(ckpt.SAVED_WORLD_SIZE, None)
+        step = state.get("step", "?") if isinstance(state, dict) else "?"
+        rank_zero_info(ckpt.resume_line(type(self).__name__, path, step, saved, self.world_size))
+        if ckpt.PERIODIC_SYNC_STATES in remainder:
             self._restored_periodic = remainder.pop(ckpt.PERIODIC_SYNC_STATES)
             close_windows(self._periodic)
         return remainder

@@ -187,14 +187,9 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         restart count (an elastic restart)."""
         if self._checkpoint_path is None:
             return
-        old = "?" if self._resumed_world_size is None else self._resumed_world_size
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        rank_zero_info(
-            f"{type(self).__name__}: resumed from {self._checkpoint_path} at step "
-            f"{self.lightning_module.trainer.global_step} (world size {old} -> {self.world_size}"
-            + (f"; torchrun restart {restart}" if restart != "0" else "")
-            + "); the steps since that checkpoint were lost"
-        )
+        step = self.lightning_module.trainer.global_step
+        name, path = type(self).__name__, self._checkpoint_path
+        rank_zero_info(ckpt.resume_line(name, path, step, self._resumed_world_size, self.world_size))
 
     def _rescale_resumed_learning_rates(self) -> None:
         """A run resumed at another world size gets the learning rates restored for the old one (scaled by the

@@ -530,6 +530,9 @@ def test_fabric_save_and_load_round_trip(cases):
     ckpt = cases[SAVE_LOAD].out / "fabric.ckpt"
     assert ckpt.is_file()
     saved = torch.load(ckpt, weights_only=False)  # what rank 0 wrote
+    assert saved["adasum_world_size"] == 2
+    line = f"DDPAdasumStrategy: resumed from {ckpt} at step 8 (world size 2 -> 2); the steps since that"
+    assert line in cases[SAVE_LOAD].case_output
     for r, res in enumerate(ranks):
         assert res["loaded_step"] == res["steps"] == 8
         for name, tensor in res["end"].items():

@@ -1,22 +1,11 @@
-"""What adasum-lightning adds to a checkpoint, written once for both Lightning APIs (``torch`` only).
+"""What adasum-lightning adds to a checkpoint, for both Lightning APIs (``torch`` only).
 
-Under Adasum every rank (every replica group under ``fsdp_adasum``) keeps its own optimizer state, so a
-checkpoint is more than Lightning's one file:
-
-- **per-rank optimizer files**: rank 0's state in the checkpoint, rank r's beside it in
-  ``<checkpoint>.rank<r>-optimizer.pt``; a resume at another world size maps new rank r to old rank
-  ``r mod N_old`` (:func:`source_rank`);
-- **the sharded layout** (``fsdp_adasum``, ``state_dict_type="sharded"``): a folder written by
-  ``torch.distributed.checkpoint`` with ``meta.pt`` beside the shards;
-- **the window state** of local SGD (:data:`PERIODIC_SYNC_STATES`).
-
-Guarantees: every file is written under a temporary name in its folder and renamed into place, so a killed
-writer leaves the old file or the new one, never a torn one (a sharded folder is swapped whole). Every save
-records what identifies it (:func:`save_identity`: the step and an id rank 0 draws) in the checkpoint and in
-each companion file; a resume reads them before any step and refuses on every rank, naming the file, its
-rank and the fix, when one is missing (where no documented fallback exists), unreadable or from another save.
-A rank file is committed in two phases (:func:`save_rank_file`, :func:`commit_rank_file`), so that a save cut
-short (a host lost mid-save) leaves a rank file of the checkpoint's own save.
+Every rank (every replica group under ``fsdp_adasum``) keeps its own optimizer state: rank 0's goes in the
+checkpoint, rank r's beside it (``<checkpoint>.rank<r>-optimizer.pt``); ``state_dict_type="sharded"`` is a
+``torch.distributed.checkpoint`` folder with ``meta.pt``; local SGD adds its window state. Every file is
+renamed into place (a sharded folder swapped whole); every save's identity is in each of its files and
+checked on resume, on every rank; rank files are committed in two phases, so that a save cut short leaves
+the rank files of the checkpoint's own save.
 """
 
 from __future__ import annotations
@@ -616,12 +605,7 @@ def load_sharded_optimizer_state(
 
 # ----------------------------------------------------------------------------- rules
 def check_state_dict_type(value: object, strategy_name: str = "fsdp_adasum") -> str:
-    """``state_dict_type``: ``"full"`` (the whole model gathered into rank 0's file, every rank's optimizer
-    shard beside it) or ``"sharded"`` (a folder written by ``torch.distributed.checkpoint``).
-
-    Raises:
-        AdasumConfigurationError: any other value.
-    """
+    """``state_dict_type`` is ``"full"`` or ``"sharded"``; else AdasumConfigurationError."""
     if value not in STATE_DICT_TYPES:
         raise AdasumConfigurationError(
             f"{strategy_name}: state_dict_type={value!r} is not a checkpoint layout: pass "

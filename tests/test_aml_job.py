@@ -18,10 +18,10 @@ from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     DEFAULT_TRAINING_ARGS,
     AmlJob,
+    check_process_count,
     lookup_vm_size,
     timedelta_arg,
 )
-from adasum_lightning.aml.local import check_local_count
 from adasum_lightning.aml.project import parse_bindings
 from adasum_lightning.aml.workspace import check_network, find_config_file, load_workspace_config, redact
 from tests.aml_support import no_network  # noqa: F401  (fixture)
@@ -193,12 +193,12 @@ def test_horovod_job_averages_with_one_gpu_per_mpi_process():
 def test_only_horovod_adasum_needs_powers_of_two(strategy):
     job = AmlJob(strategy=strategy, node_count=6, process_count_per_node=3)
     assert job.world_size == 18
-    check_local_count(job, 3)  # --local 3 too
+    check_process_count(3, "--local", "--local", job.strategy)  # --local 3 too
     with pytest.raises(
         AmlUsageError,
         match=r"--local=3 is not a power of 2.*Use --local 2 or --local 4, or --strategy ddp_adasum",
     ):
-        check_local_count(AmlJob(), 3)
+        check_process_count(3, "--local", "--local", AmlJob().strategy)
 
 
 def test_training_args_may_repeat_the_topology_and_change_the_ddp_timeout():

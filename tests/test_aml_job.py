@@ -20,7 +20,6 @@ from adasum_lightning.aml.job import (
     AmlJob,
     check_process_count,
     lookup_vm_size,
-    timedelta_arg,
 )
 from adasum_lightning.aml.project import parse_bindings
 from adasum_lightning.aml.workspace import check_network, find_config_file, load_workspace_config, redact
@@ -151,7 +150,7 @@ def test_ddp_adasum_job_runs_lightning_ddp_on_the_topology():
     assert not job.is_mpi and job.world_size == 12 and job.devices == 4
     assert job.base_image == "nvidia/cuda:13.0.0-runtime-ubuntu22.04"  # nothing is compiled in its image
     assert job.environment_name == "adasum-lightning-ddp"
-    timeout = timedelta_arg(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = str(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
     assert (
         job.training_command()
         == [

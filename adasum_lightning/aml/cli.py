@@ -313,11 +313,10 @@ def _summary(job: AmlJob, sdk: str, staged) -> str:
     image = f"image {job.environment_name}{'-' if sdk == 'v1' else ':'}{staged.environment_version}"
     if job.environment:
         image = f"registered environment {job.environment}"
-    nodes = f"{job.min_nodes}–{job.max_nodes} {'low-priority ' if job.low_priority else ''}nodes"
     text = (
         f"SDK {sdk}: {job.script_name} with {job.strategy} as {kind}, {image}, {job.node_count} nodes × "
         f"{job.process_count_per_node} processes ({job.world_size} GPUs) of {job.vm_size} on cluster "
-        f"{job.compute_name} ({nodes}), experiment {job.experiment_name}"
+        f"{job.compute_name} ({job.cluster_nodes}), experiment {job.experiment_name}"
     )
     if job.resume:
         uri = next(b.uri for b in job.data if b.direction == "outputs" and b.name == CHECKPOINT_OUTPUT)

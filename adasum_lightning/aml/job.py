@@ -283,6 +283,11 @@ class AmlJob:
         return self.node_count * self.process_count_per_node
 
     @property
+    def cluster_nodes(self) -> str:
+        """The cluster's scaling bounds in words, e.g. ``0–8 low-priority nodes``."""
+        return f"{self.min_nodes}–{self.max_nodes} {'low-priority ' if self.low_priority else ''}nodes"
+
+    @property
     def script_name(self) -> str:
         """The entry script inside the code snapshot: ``SCRIPT`` or the bundled example's ``mnist.py``."""
         return TRAINING_SCRIPT if self.script is None else self.script
@@ -450,9 +455,20 @@ class AmlJob:
                     f"value hangs or duplicates ranks. Remove {option}; set it with {flag} {count}"
                 )
 
-    def check_cluster_priority(self, priority: str) -> None:
-        """Refuse ``low_priority`` on an existing cluster of dedicated VMs (``priority`` as the SDK reports
-        it: v1 ``dedicated``/``lowpriority``, v2 ``dedicated``/``low_priority``; empty: unknown)."""
+    def check_existing_cluster(self, vm_size: str, max_nodes: object, priority: str) -> None:
+        """Refuse an existing cluster of another VM size, fewer than ``node_count`` nodes, or dedicated VMs
+        for ``low_priority`` (v1 ``lowpriority``, v2 ``low_priority``; empty: unknown)."""
+        if vm_size and vm_size.lower() != self.vm_size.lower():
+            raise AmlUsageError(
+                f"the cluster {self.compute_name} exists with VM size {vm_size}, not {self.vm_size}. Pass "
+                f"--vm-size {vm_size}, or --cluster NEW_NAME to create a {self.vm_size} cluster"
+            )
+        if isinstance(max_nodes, int) and max_nodes < self.node_count:
+            raise AmlUsageError(
+                f"the cluster {self.compute_name} scales to {max_nodes} nodes, fewer than --nodes "
+                f"{self.node_count}. Raise its maximum in Azure ML studio, or pass --nodes {max_nodes} or a "
+                "new --cluster name"
+            )
         if self.low_priority and priority and priority.lower().replace("_", "") != "lowpriority":
             raise AmlUsageError(
                 f"the cluster {self.compute_name} exists with {priority} VMs, so --low-priority would not "

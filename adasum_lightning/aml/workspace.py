@@ -179,3 +179,8 @@ def redact(text: str) -> str:
             text = text.replace(value, "***")
     text = _JWT_RE.sub("***", text)
     return _KEYVAL_RE.sub(r"\1***", text)
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type's name when empty), credentials redacted."""
+    return redact(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)

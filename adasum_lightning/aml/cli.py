@@ -241,15 +241,14 @@ def _warn_about_the_script(script: str, facts, trainer_args: bool, strategy: str
 
 def _check_staging_dir(staging_dir: str | None, source_dir: Path | None) -> None:
     """Refuse a ``--staging-dir`` that is a file, not empty, or inside the source directory."""
-    path = Path(staging_dir or ".").expanduser()
     if not staging_dir:
         return
-    if path.exists() and not path.is_dir():
-        raise AmlUsageError(f"--staging-dir {staging_dir} is a file: pass a new or empty folder")
-    if path.is_dir() and any(path.iterdir()):
+    path = Path(staging_dir).expanduser()
+    problem = "is a file" if path.exists() and not path.is_dir() else ""
+    problem = problem or ("is not empty" if path.is_dir() and any(path.iterdir()) else "")
+    if problem:
         raise AmlUsageError(
-            f"--staging-dir {staging_dir} is not empty: pass a new or empty folder (adasum-aml deletes "
-            "nothing)"
+            f"--staging-dir {staging_dir} {problem}: pass a new or empty folder (adasum-aml deletes nothing)"
         )
     if source_dir is not None and source_dir in (path.resolve(), *path.resolve().parents):
         raise AmlUsageError(
@@ -259,11 +258,7 @@ def _check_staging_dir(staging_dir: str | None, source_dir: Path | None) -> None
 
 
 def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
-    """The validated :class:`AmlJob` and the project's source directory (``None``: the bundled example).
-
-    Raises:
-        AmlUsageError: any invalid argument or file.
-    """
+    """The validated :class:`AmlJob` and the project's source directory (``None``: the bundled example)."""
     from adasum_lightning.aml.project import check_script, parse_bindings, read_requirements, script_facts
     from adasum_lightning.aml.staging import constraints, image_dependencies
 

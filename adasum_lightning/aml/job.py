@@ -1,9 +1,6 @@
 """The SDK-independent description of an Azure ML training job (:class:`AmlJob`), validated on creation.
 
-The backends (:mod:`.sdk_v1`, :mod:`.sdk_v2`) and ``--local`` (:mod:`.local`) build from it.
-``horovod_adasum`` and ``horovod`` run as an Azure ML **MPI** job (Azure ML builds the ``mpirun``; Open MPI's
-fault settings in the environment); ``ddp_adasum`` as a **PyTorch** job (see :data:`AML_PYTORCH_VARIABLES`).
-Imports no Azure SDK.
+The Horovod strategies run as an Azure ML MPI job, ``ddp_adasum`` as a PyTorch job. Imports no Azure SDK.
 """
 
 from __future__ import annotations
@@ -68,16 +65,11 @@ DEFAULT_NODE_COUNT = 8
 DEFAULT_PROCESSES_PER_NODE = 4
 DEFAULT_CLUSTER = "adasum-nc64t4"
 DEFAULT_EXPERIMENT = "adasum-lightning-mnist"
-#: The CUDA 13.0 *runtime* image, torch 2.14.1's CUDA release: ``patches/build_horovod.sh --gpu`` compiles
-#: Horovod with the registry's cuda-toolkit wheels, so no devel image is needed.
+#: A runtime image of torch's CUDA release: Horovod is compiled with the registry's cuda-toolkit wheels.
 DEFAULT_BASE_IMAGE = "nvidia/cuda:13.0.0-runtime-ubuntu22.04"
-#: Base of the ``ddp_adasum`` image, which compiles nothing (torch's wheels bring CUDA and NCCL).
 DEFAULT_DDP_BASE_IMAGE = "nvidia/cuda:13.0.0-runtime-ubuntu22.04"
 ENVIRONMENT_NAME = "adasum-lightning-horovod-nccl"
-#: Azure ML environment of ``ddp_adasum`` jobs (another image: its own name, so versions never mix).
 DDP_ENVIRONMENT_NAME = "adasum-lightning-ddp"
-
-#: Strategies ``adasum-aml submit --strategy`` accepts.
 STRATEGIES: tuple[str, ...] = ("horovod_adasum", "horovod", "ddp_adasum")
 MPI_STRATEGIES = frozenset({"horovod_adasum", "horovod"})
 DEFAULT_STRATEGY = "horovod_adasum"
@@ -88,9 +80,7 @@ AML_PYTORCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK"
 #: ``ddp_adasum`` as its class path, so that LightningCLI takes ``--trainer.strategy.timeout``
 #: (a strategy *name* takes no arguments); it resolves to the class of the Lightning package imported.
 DDP_STRATEGY_CLASS = "adasum_lightning.DDPAdasumStrategy"
-#: Shared memory of each job container (DataLoader workers pass batches through /dev/shm).
-SHM_SIZE = "16g"
-#: Seconds an idle node waits before the cluster scales down (cost: min nodes 0 means no idle charge).
+SHM_SIZE = "16g"  # of each job container: DataLoader workers pass batches through /dev/shm
 IDLE_SECONDS_BEFORE_SCALEDOWN = 1800
 
 #: The job's output that holds Lightning's checkpoints with ``resume`` (``${{outputs.checkpoints}}``).
@@ -108,7 +98,6 @@ RESUME_ARGS = (
 )
 RESUME_ARGS += ("--trainer.callbacks.save_last=true", "--ckpt_path=last")
 
-#: The bundled example's entry script in the code snapshot (examples/mnist.py).
 TRAINING_SCRIPT = "mnist.py"
 #: The bundled example's cluster arguments: MNIST into ./data, outputs in ./outputs (uploaded by Azure ML).
 _COMMON_TRAINING_ARGS = (
@@ -117,7 +106,7 @@ _COMMON_TRAINING_ARGS = (
     "--data.data_dir=data",
 )
 _COMMON_TRAINING_ARGS += ("--trainer.default_root_dir=outputs",)
-#: The training arguments of the default job (``horovod_adasum``); see :meth:`AmlJob.training_command`.
+#: The training arguments of the default job; see :meth:`AmlJob.training_command`.
 DEFAULT_TRAINING_ARGS = ("fit", "--trainer.strategy=horovod_adasum", "--trainer.accelerator=gpu")
 DEFAULT_TRAINING_ARGS += ("--trainer.devices=1", *_COMMON_TRAINING_ARGS)
 #: Environment variables every job gets (one intra-op thread per process, NCCL warnings, unbuffered logs).
@@ -140,22 +129,6 @@ def experiment_name_for(project: str | None) -> str:
     """The experiment of a job without ``--experiment``: the project's folder name (each character Azure ML
     refuses as ``-``), or :data:`DEFAULT_EXPERIMENT` for the bundled example."""
     return re.sub(r"[^A-Za-z0-9_-]", "-", project or "").lstrip("_-")[:255] or DEFAULT_EXPERIMENT
-
-
-def environment_reference(text: str) -> str:
-    """``--environment NAME[:VERSION]`` (or ``azureml:NAME:VERSION``, ``NAME@latest``) as Azure ML writes it:
-    ``azureml:NAME:VERSION`` or ``azureml:NAME@latest``.
-
-    Raises:
-        AmlUsageError: not an environment reference (names the accepted forms).
-    """
-    match = _ENVIRONMENT_RE.match(str(text).strip())
-    if not match:
-        raise AmlUsageError(
-            f"--environment {text!r} is not an Azure ML environment reference: pass NAME:VERSION, "
-            "azureml:NAME:VERSION or NAME@latest (az ml environment list shows yours)"
-        )
-    return f"azureml:{match['name']}" + (f":{match['version']}" if match["version"] else "@latest")
 
 
 def environment_parts(reference: str) -> tuple[str, str | None]:
@@ -230,11 +203,9 @@ class AmlJob:
         environment_variables: extra job variables, merged over :data:`DEFAULT_ENVIRONMENT_VARIABLES` (and
             Open MPI's fault settings for MPI jobs); names that look like secrets are refused.
         base_image: the job image's base (``None``: the CUDA 13.0 runtime image).
-        strategy: one of :data:`STRATEGIES`.
         script: the entry script in the source directory (``None``: the bundled MNIST example).
         trainer_args: a LightningCLI script: :meth:`strategy_args` are appended to its arguments.
         data: the ``--input``/``--output`` bindings (:class:`.project.DataBinding`).
-        requirements: extra pip requirements of the image.
         environment: a registered Azure ML environment (``azureml:NAME:VERSION``) to run in, not an image.
         low_priority: a new cluster gets low-priority (spot) VMs, which Azure may preempt; implies ``resume``.
         resume: Lightning's checkpoints go to the output ``checkpoints`` (:data:`CHECKPOINT_DATASTORE_PATH`
@@ -366,8 +337,18 @@ class AmlJob:
                 f"{self.environment} uses a registered one: add the packages to that environment, or drop "
                 "--environment"
             )
-        if self.environment is not None:
-            self._set(environment=environment_reference(self.environment))
+        if self.environment is None:
+            return
+        match = _ENVIRONMENT_RE.match(
+            str(self.environment).strip()
+        )  # written azureml:NAME:VERSION or @latest
+        if not match:
+            raise AmlUsageError(
+                f"--environment {self.environment!r} is not an Azure ML environment reference: pass "
+                "NAME:VERSION, azureml:NAME:VERSION or NAME@latest (az ml environment list shows yours)"
+            )
+        version = f":{match['version']}" if match["version"] else "@latest"
+        self._set(environment=f"azureml:{match['name']}{version}")
 
     def _check_arguments(self) -> None:
         """The script's arguments against the strategy and topology, and the data they name."""

@@ -42,10 +42,8 @@ def local_command(
     run by each of the N processes. A script without ``--trainer.*`` arguments gets no overrides; it reads
     :meth:`.job.AmlJob.topology_variables`.
 
-    Args:
-        data_dir: the bundled example's MNIST root (``DIR/MNIST/raw``); ``None`` for a user's script.
-        output_dir: Lightning's ``default_root_dir``.
-        batches: training and validation batches per process (one epoch).
+    ``data_dir`` is the bundled example's MNIST root (``None`` for a user's script), ``output_dir``
+    Lightning's ``default_root_dir``, ``batches`` the training and validation batches per process.
 
     Raises:
         AmlUsageError: ``np`` or ``batches`` is not a positive integer, ``np`` not a power of 2 for
@@ -95,21 +93,12 @@ def run_local(
     batches: int = 4,
     timeout: float | None = 900,
 ) -> int:
-    """Stage the code snapshot in ``work_dir/code`` and run the job's command there on ``np`` CPU processes.
-
-    Args:
-        job: the job description (its data bindings are local paths here).
-        work_dir: folder for the snapshot and Lightning's outputs (``work_dir/outputs``).
-        source_dir: the project's source directory (``None`` for the bundled example).
-        data_dir: the bundled example's MNIST root (default ``data``, relative to the current directory).
-        timeout: seconds before the run is stopped (``None``: no limit).
+    """Stage the code snapshot in ``work_dir/code`` and run the job's command there on ``np`` CPU processes,
+    its data bindings local paths, Lightning's outputs in ``work_dir/outputs``.
 
     Returns:
         0 on success; else horovodrun's exit code, or for ``ddp_adasum`` the first failing process's (the
-        others are stopped); 124 when ``timeout`` expired.
-
-    Raises:
-        AmlUsageError: see :func:`local_command`.
+        others are stopped); 124 after ``timeout`` seconds.
     """
     work_dir = Path(work_dir)
     if job.script is None:

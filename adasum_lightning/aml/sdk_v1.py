@@ -23,18 +23,13 @@ IMAGE_PYTHON = "/opt/venv/bin/python"
 DATA_REFERENCE = "AZUREML_DATAREFERENCE_{}"
 
 
-def environment_name(job: AmlJob, staged: StagedJob) -> str:
-    """``adasum-lightning-horovod-nccl-<content version>``: SDK v1 numbers versions itself."""
-    return f"{job.environment_name}-{staged.environment_version}"
+def _image_name(job: AmlJob, staged: StagedJob) -> str:
+    return f"{job.environment_name}-{staged.environment_version}"  # SDK v1 numbers versions itself
 
 
 def build_environment(job: AmlJob, staged: StagedJob, build_context=None):
-    """The job's ``azureml.core.Environment``, with user-managed Python (the image's venv).
-
-    Args:
-        build_context: a ``DockerBuildContext`` uploaded to the workspace (by :func:`submit`); ``None``
-            (offline) refers to the local folder. Unused for ``--environment``, which :func:`submit` fetches.
-    """
+    """The job's ``azureml.core.Environment`` with the image's Python, from ``build_context`` (uploaded by
+    :func:`submit`; default: the local folder), or a reference to ``--environment``."""
     from azureml.core import Environment
     from azureml.core.environment import DockerBuildContext
 
@@ -46,7 +41,7 @@ def build_environment(job: AmlJob, staged: StagedJob, build_context=None):
     context = build_context or DockerBuildContext(
         location=str(staged.context_dir), dockerfile_path="Dockerfile"
     )
-    env = Environment.from_docker_build_context(environment_name(job, staged), context)
+    env = Environment.from_docker_build_context(_image_name(job, staged), context)
     env.python.user_managed_dependencies = True
     env.python.interpreter_path = IMAGE_PYTHON
     return env
@@ -166,11 +161,7 @@ def connect(config: WorkspaceConfig, *, auth_factory: Callable | None = None):
 
 
 def get_or_create_cluster(workspace, job: AmlJob):
-    """The AmlCompute cluster ``job.compute_name``, created with the job's VM size and bounds when absent.
-
-    Raises:
-        AmlUsageError: see :meth:`.job.AmlJob.check_existing_cluster`.
-    """
+    """The AmlCompute cluster ``job.compute_name``, created with the job's VM size and bounds when absent."""
     from azureml.core.compute import AmlCompute, ComputeTarget
     from azureml.core.compute_target import ComputeTargetException
 
@@ -219,7 +210,7 @@ def resolve_environment(workspace, job: AmlJob, staged: StagedJob, upload_build_
             ) from None
         say(f"using the registered environment {env.name}:{env.version}")
         return env
-    name = environment_name(job, staged)
+    name = _image_name(job, staged)
     try:
         env = Environment.get(workspace, name)
     except Exception:  # not registered yet
@@ -245,13 +236,8 @@ def submit(
     upload_build_context: bool = True,
     stream: bool = False,
 ):
-    """Submit ``job``: connect, get or create the cluster, resolve its environment, ``Experiment.submit``.
-
-    Args:
-        workspace: an ``azureml.core.Workspace`` (default: :func:`connect` to ``config``).
-        experiment_factory: ``(workspace, name) -> Experiment`` (default ``azureml.core.Experiment``).
-        upload_build_context: upload the build context to the workspace storage (else the local reference).
-        stream: follow the run's logs until it ends.
+    """Submit ``job`` to ``workspace`` (default: :func:`connect` to ``config``) with ``experiment_factory``
+    (default ``azureml.core.Experiment``) after its cluster and environment (:func:`resolve_environment`).
 
     Returns:
         ``(the submitted azureml.core.Run, its final status or None without stream)``; its URL is printed.

@@ -103,11 +103,7 @@ def connect(config: WorkspaceConfig, *, credential_factory: Callable | None = No
 
 
 def get_or_create_cluster(client, job: AmlJob):
-    """The AmlCompute cluster ``job.compute_name`` of ``client``, created with the job's VM size and bounds.
-
-    Raises:
-        AmlUsageError: see :meth:`.job.AmlJob.check_existing_cluster`.
-    """
+    """The AmlCompute cluster ``job.compute_name``, created with the job's VM size and bounds when absent."""
     from azure.ai.ml.entities import AmlCompute
     from azure.core.exceptions import ResourceNotFoundError
 

@@ -102,11 +102,7 @@ def render_dockerfile(job: AmlJob, wheel_name: str) -> str:
 
 
 def _installed_distribution() -> importlib.metadata.Distribution:
-    """The installed ``.dist-info`` of adasum-lightning (the one pip wrote, with a ``WHEEL`` file).
-
-    Raises:
-        AmlUsageError: adasum-lightning is imported but not installed (names the pip command).
-    """
+    """The installed ``.dist-info`` of adasum-lightning (the one pip wrote, with a ``WHEEL`` file)."""
     for dist in importlib.metadata.distributions(name=DISTRIBUTION):
         if dist.read_text("WHEEL") is not None:
             return dist
@@ -167,11 +163,7 @@ def content_version(context_dir: Path, wheel_digest: str) -> str:
 
 
 def stage_build_context(job: AmlJob, dest: Path) -> tuple[Path, str]:
-    """Write the Docker build context into ``dest`` (created); returns it and its :func:`content_version`.
-
-    Raises:
-        AmlUsageError: see :func:`build_wheel`, :func:`package_file`.
-    """
+    """Write the Docker build context into ``dest`` (created); returns it and its :func:`content_version`."""
     wheel, wheel_digest = build_wheel(dest)
     (dest / "Dockerfile").write_text(render_dockerfile(job, wheel.name), encoding="utf-8")
     shutil.copy2(package_file("adasum_lightning", "constraints.txt"), dest / "constraints.txt")
@@ -186,14 +178,8 @@ def stage_build_context(job: AmlJob, dest: Path) -> tuple[Path, str]:
 
 
 def stage_code(job: AmlJob, dest: Path, source_dir: Path | None = None) -> tuple[Path, tuple[str, ...]]:
-    """Write the code snapshot into ``dest`` (created): the source directory's files, or the bundled example.
-
-    Returns:
-        ``dest`` and the files.
-
-    Raises:
-        AmlUsageError: see :func:`.project.copy_snapshot`.
-    """
+    """Write the code snapshot into ``dest`` (created): the source directory's files, or the bundled example;
+    returns ``dest`` and the files."""
     dest.mkdir(parents=True, exist_ok=True)
     if job.script is None:
         for name in EXAMPLE_FILES:

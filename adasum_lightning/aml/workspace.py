@@ -43,11 +43,7 @@ class WorkspaceConfig:
 
 
 def find_config_file(start: str | os.PathLike | None = None) -> Path:
-    """The first of :data:`DEFAULT_CONFIG_FILES` present in ``start`` (default: the working directory).
-
-    Raises:
-        AmlUsageError: none exists (says how to create one or pass ``--config``).
-    """
+    """The first of :data:`DEFAULT_CONFIG_FILES` present in ``start`` (default: the working directory)."""
     base = Path(start or os.getcwd())
     found = next((base / name for name in DEFAULT_CONFIG_FILES if (base / name).is_file()), None)
     if found is None:

@@ -100,17 +100,12 @@ _SUBMIT_HELP = (
 )
 _SUBMIT_EPILOG = (
     "--trainer-args on appends --trainer.strategy/devices/num_nodes to a LightningCLI script's arguments; "
-    "other scripts read ADASUM_STRATEGY, ADASUM_ACCELERATOR, ADASUM_DEVICES, ADASUM_NUM_NODES (auto: on when "
-    "the script uses LightningCLI). --environment NAME:VERSION (or azureml:NAME:VERSION, NAME@latest) runs "
-    "in a registered environment instead of building one; it must have adasum-lightning (and Horovod for the "
-    "Horovod strategies). --input URIs: azureml://datastores/<ds>/paths/<p>, azureml:<asset>:<version>, "
-    "https://…; --output URIs: azureml://datastores/<ds>/paths/<p>; local paths with --local. --resume keeps "
-    f"Lightning's checkpoints in the job's output {CHECKPOINT_OUTPUT} (a new folder on the workspace's blob "
-    f"store, or --output {CHECKPOINT_OUTPUT}=URI) and resumes a restarted job from the last one "
-    "(LightningCLI scripts: ModelCheckpoint(save_last=True) there and --ckpt_path=last). --low-priority "
-    "creates the cluster with low-priority (spot) VMs, which Azure may preempt; Azure ML restarts a "
-    "preempted job. --local N runs under horovodrun for the Horovod strategies, and as an Azure ML PyTorch "
-    "job starts its processes for ddp_adasum."
+    "others read ADASUM_STRATEGY, ADASUM_ACCELERATOR, ADASUM_DEVICES, ADASUM_NUM_NODES. --environment "
+    "(NAME:VERSION, azureml:NAME:VERSION, NAME@latest) must have adasum-lightning (and Horovod). URIs: "
+    "azureml://datastores/<ds>/paths/<p>, azureml:<asset>:<version> or https://… (inputs), local paths with "
+    f"--local. --resume keeps Lightning's checkpoints in the output {CHECKPOINT_OUTPUT} (a new folder on the "
+    f"workspace's blob store, or --output {CHECKPOINT_OUTPUT}=URI), and a restarted job resumes from the "
+    "last."
 )
 
 
@@ -361,11 +356,7 @@ def submit_command(args: argparse.Namespace) -> int:
                 sys.stderr,
             )
             return 0
-        say(
-            f"workspace {config.workspace_name} (resource group {config.resource_group}) from "
-            f"{config.source}",
-            sys.stderr,
-        )
+        say(f"workspace {config.workspace_name} of {config.resource_group} ({config.source})", sys.stderr)
         _, status = backend.submit(job, staged, config, stream=args.stream)
         if args.stream and status != "Completed":
             print(f"{PROG}: the job ended with status {status}", file=sys.stderr)

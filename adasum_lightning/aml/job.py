@@ -151,12 +151,7 @@ def option_values(args: Sequence[str], name: str) -> list[str]:
 
 
 def lookup_vm_size(name: str) -> VmSize:
-    """The :class:`VmSize` called ``name`` (case-insensitive).
-
-    Raises:
-        AmlUsageError: an unknown size (lists the current multi-GPU sizes), or a retired one (says when, why,
-            and what to use instead).
-    """
+    """The :class:`VmSize` called ``name`` (case-insensitive); an unknown or retired one is refused."""
     size = {k.lower(): v for k, v in VM_SIZES.items()}.get(str(name).strip().lower())
     if size is None:
         current = sorted(v.name for v in VM_SIZES.values() if v.retired is None and v.gpus >= 4)
@@ -173,12 +168,8 @@ def lookup_vm_size(name: str) -> VmSize:
 
 
 def check_process_count(value: object, name: str, flag: str, strategy: str) -> None:
-    """A node or process count: a positive integer, and a power of 2 for ``horovod_adasum`` (Horovod's Adasum
-    combines 2^k workers).
-
-    Raises:
-        AmlUsageError: naming ``flag`` and the nearest valid counts.
-    """
+    """Refuse a node or process count that is not a positive integer, or for ``horovod_adasum`` (Horovod's
+    Adasum combines 2^k workers) not a power of 2; the message names ``flag`` and the nearest valid counts."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise AmlUsageError(f"{name} must be a positive integer, got {value!r}: fix {flag}")
     if strategy == "horovod_adasum" and not is_power_of_two(value):
@@ -457,12 +448,8 @@ class AmlJob:
             )
 
     def strategy_args(self) -> list[str]:
-        """The Trainer arguments that follow from the strategy and the topology.
-
-        Horovod strategies: the strategy's name, one GPU a process. ``ddp_adasum``: the strategy's class with
-        the timeout :data:`adasum_lightning.failure_detection.DDP_PROCESS_GROUP_TIMEOUT`, and the devices and
-        nodes of the job.
-        """
+        """The Trainer arguments that follow from the strategy and the topology (for ``ddp_adasum`` its class,
+        with the timeout :data:`adasum_lightning.failure_detection.DDP_PROCESS_GROUP_TIMEOUT`)."""
         if self.is_mpi:
             return [f"--trainer.strategy={self.strategy}", "--trainer.accelerator=gpu", "--trainer.devices=1"]
         return [
@@ -474,37 +461,23 @@ class AmlJob:
         ]
 
     def topology_variables(
-        self, accelerator: str = "gpu", devices: int | None = None, nodes: int | None = None
-    ):
+        self, accelerator: str = "gpu", devices: int = 0, nodes: int = 0
+    ) -> dict[str, str]:
         """The :data:`TOPOLOGY_VARIABLES` of every process, for scripts without ``--trainer.*`` arguments
-        (``ADASUM_DEVICES`` is the Trainer's ``devices``)."""
-        devices, nodes = (
-            self.devices if devices is None else devices,
-            self.node_count if nodes is None else nodes,
-        )
-        return dict(
-            zip(TOPOLOGY_VARIABLES, (self.strategy, accelerator, str(devices), str(nodes)), strict=True)
-        )
+        (``ADASUM_DEVICES`` is the Trainer's ``devices``; 0: the job's)."""
+        values = (self.strategy, accelerator, str(devices or self.devices), str(nodes or self.node_count))
+        return dict(zip(TOPOLOGY_VARIABLES, values, strict=True))
 
     def training_command(self, python: str = "python") -> list[str]:
-        """The command every process runs, with its ``${{…}}`` placeholders (the backends and ``--local`` bind
-        them), e.g. ``["python", "mnist.py", "fit", ...]``.
-
-        The bundled example: ``fit``, :meth:`strategy_args`, its cluster defaults, then the training
-        arguments. A user's script: its arguments, then :meth:`strategy_args` when ``trainer_args`` (the job's
-        topology wins over a config file). Then :data:`RESUME_ARGS` with ``resume`` and ``trainer_args``.
-        """
+        """The command every process runs, its ``${{…}}`` placeholders unbound: the bundled example's ``fit``,
+        :meth:`strategy_args` and cluster defaults then the training arguments, or a script's arguments then
+        :meth:`strategy_args` (the job's topology wins over a config file); :data:`RESUME_ARGS` last."""
         resume = list(RESUME_ARGS) if self.resume and self.trainer_args else []
         if self.script is None:
             example = [TRAINING_SCRIPT, "fit", *self.strategy_args(), *_COMMON_TRAINING_ARGS]
             return [python, *example, *self.training_args, *resume]
-        return [
-            python,
-            self.script,
-            *self.training_args,
-            *(self.strategy_args() if self.trainer_args else []),
-            *resume,
-        ]
+        trainer = self.strategy_args() if self.trainer_args else []
+        return [python, self.script, *self.training_args, *trainer, *resume]
 
     def command_line(self) -> str:
         """:meth:`training_command` as one shell-quoted string (the SDK v2 ``command``)."""

@@ -1,8 +1,6 @@
-"""``--local N``: the job's training command on this machine, N CPU processes, started as Azure ML would.
-
-The same code snapshot, command line and environment variables as the job, with ``${{inputs.NAME}}`` /
-``${{outputs.NAME}}`` bound to local folders. ``ddp_adasum`` runs N processes with an Azure ML PyTorch job's
-variables (:data:`.job.AML_PYTORCH_VARIABLES`), not ``torchrun``, so Lightning takes the cluster's path.
+"""``--local N``: the job's code snapshot, command and variables on this machine, N CPU processes, the data
+bound to local folders. ``ddp_adasum`` starts its processes with an Azure ML PyTorch job's variables (not
+``torchrun``), so that Lightning takes the cluster's path.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from adasum_lightning.horovod.support import missing_horovod_message
 #: Azure ML PyTorch job sets (``TORCHELASTIC_RUN_ID`` would select ``TorchElasticEnvironment``, and so on).
 _OTHER_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "HOROVOD_", "SLURM_", "LSB_", "JSM_")
 _OTHER_LAUNCHER_NAMES = ("GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")
+LOCAL_TIMEOUT = 900  # seconds before a local run is stopped
 
 
 def local_command(
@@ -85,20 +84,14 @@ def _without_other_launchers(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def run_local(
-    job: AmlJob,
-    np: int,
-    work_dir: Path,
-    source_dir: Path | None = None,
-    data_dir=None,
-    batches: int = 4,
-    timeout: float | None = 900,
+    job: AmlJob, np: int, work_dir: Path, source_dir: Path | None = None, data_dir=None, batches: int = 4
 ) -> int:
     """Stage the code snapshot in ``work_dir/code`` and run the job's command there on ``np`` CPU processes,
     its data bindings local paths, Lightning's outputs in ``work_dir/outputs``.
 
     Returns:
         0 on success; else horovodrun's exit code, or for ``ddp_adasum`` the first failing process's (the
-        others are stopped); 124 after ``timeout`` seconds.
+        others are stopped); 124 after :data:`LOCAL_TIMEOUT` seconds.
     """
     work_dir = Path(work_dir)
     if job.script is None:
@@ -125,12 +118,11 @@ def run_local(
         )
         env = _without_other_launchers(env)
         envs = [{**env, **pytorch_job_environment(np, rank, port)} for rank in range(np)]
-        return _run_processes(command, envs, cwd=code_dir, timeout=timeout)
+        return _run_processes(command, envs, cwd=code_dir, timeout=LOCAL_TIMEOUT)
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without these (as the Makefile)
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **env}
     say(f"local run in {code_dir}:\n  {shlex.join(command)}", sys.stderr)
-    return _run_processes(command, [env], cwd=code_dir, timeout=timeout)
+    return _run_processes(command, [env], cwd=code_dir, timeout=LOCAL_TIMEOUT)
 
 
 def _stop(procs: Sequence[subprocess.Popen], grace: float = 10) -> None:

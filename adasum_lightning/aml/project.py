@@ -1,10 +1,8 @@
 """The user's project as an Azure ML job sees it: entry script, code snapshot, requirements and data.
 
-Every check raises :class:`.errors.AmlUsageError` naming the fix, before any SDK object exists. The code
-snapshot is the source directory minus what its ``.amlignore`` (else ``.gitignore``) excludes, as Azure ML
-uploads it. ``--input``/``--output NAME=URI`` become ``uri_folder``/``uri_file`` bindings that the script's
-arguments name as ``${{inputs.NAME}}``/``${{outputs.NAME}}`` (SDK v2 binds them; :func:`bind_placeholders`
-does for SDK v1 and ``--local``).
+Every check raises :class:`.errors.AmlUsageError` naming the fix, before any SDK object exists. The script's
+arguments name the data as ``${{inputs.NAME}}``/``${{outputs.NAME}}``: SDK v2 binds them,
+:func:`bind_placeholders` does for SDK v1 and ``--local``.
 """
 
 from __future__ import annotations
@@ -212,15 +210,9 @@ def read_requirements(
 # -- data in and out ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DataBinding:
-    """One ``--input`` or ``--output`` of the job.
-
-    Attributes:
-        name: the binding's name (``${{inputs.NAME}}``): letters, digits and ``_``.
-        uri: ``azureml://datastores/<ds>/paths/<p>``, ``azureml:<asset>:<version>`` or ``https://`` (inputs
-            only), or a local folder for ``--local``.
-        direction: ``"inputs"`` or ``"outputs"``.
-        type: :data:`DATA_TYPES` (default ``uri_folder``).
-        mode: :data:`INPUT_MODES` or :data:`OUTPUT_MODES` (default: the first).
+    """One ``--input`` or ``--output`` of the job: ``${{<direction>.<name>}}`` in the script's arguments, its
+    ``uri`` (``azureml://datastores/<ds>/paths/<p>``, ``azureml:<asset>:<version>``, ``https://…`` or, for
+    ``--local``, a local path), one of :data:`DATA_TYPES` and one of :data:`INPUT_MODES`/:data:`OUTPUT_MODES`.
     """
 
     name: str

@@ -1,7 +1,7 @@
 """SDK v1 backend (``azureml-core``, extra ``aml``): a ``ScriptRunConfig``, MPI or PyTorch distribution.
 
-SDK v1's support ended on 2026-06-30; prefer :mod:`.sdk_v2`. Everything works offline except :func:`connect`,
-:func:`get_or_create_cluster` and :func:`submit`.
+SDK v1's support has ended; prefer :mod:`.sdk_v2`. Only :func:`connect`, :func:`get_or_create_cluster` and
+:func:`submit` talk to Azure.
 """
 
 from __future__ import annotations
@@ -189,12 +189,9 @@ def get_or_create_cluster(workspace, job: AmlJob):
 
 
 def resolve_environment(workspace, job: AmlJob, staged: StagedJob, upload_build_context: bool = True):
-    """The run's environment: the registered ``--environment``, an image of the same content, or a new one
-    (built from the build context, uploaded unless ``upload_build_context`` is False, with the run).
-
-    Raises:
-        AmlUsageError: ``--environment`` names an environment the workspace does not have.
-    """
+    """The run's environment: the registered ``--environment`` (refused when absent), an image of the same
+    content, or a new one built with the run (its build context uploaded unless ``upload_build_context`` is
+    False)."""
     from azureml.core import Environment
     from azureml.core.environment import DockerBuildContext
 
@@ -215,12 +212,9 @@ def resolve_environment(workspace, job: AmlJob, staged: StagedJob, upload_build_
         env = Environment.get(workspace, name)
     except Exception:  # not registered yet
         say(f"new environment {name}: Azure ML builds it with this run")
-        if not upload_build_context:
-            return build_environment(job, staged)
+        upload = DockerBuildContext.from_local_directory if upload_build_context else None
         return build_environment(
-            job,
-            staged,
-            DockerBuildContext.from_local_directory(workspace, str(staged.context_dir), "Dockerfile"),
+            job, staged, upload and upload(workspace, str(staged.context_dir), "Dockerfile")
         )
     say(f"reusing the environment {name} (same content as an earlier submit)")
     return env
@@ -240,11 +234,7 @@ def submit(
     (default ``azureml.core.Experiment``) after its cluster and environment (:func:`resolve_environment`).
 
     Returns:
-        ``(the submitted azureml.core.Run, its final status or None without stream)``; its URL is printed.
-
-    Raises:
-        AmlSubmitError: see :func:`connect`; Azure errors while submitting (redacted).
-        AmlUsageError: see :func:`get_or_create_cluster`, :func:`resolve_environment`.
+        ``(the submitted azureml.core.Run, its final status or None without stream)``.
     """
     from azureml.core import Experiment
 

@@ -130,20 +130,15 @@ def get_or_create_cluster(client, job: AmlJob):
 
 
 def resolve_environment(client, job: AmlJob, staged: StagedJob):
-    """The job's environment: ``--environment``'s reference, an image of the same content, or a new entity.
-
-    Raises:
-        AmlUsageError: ``--environment`` names an environment the workspace does not have.
-    """
+    """The job's environment: ``--environment``'s reference (refused when absent), an image of the same
+    content, or a new entity."""
     from azure.core.exceptions import ResourceNotFoundError
 
     if job.environment is not None:
         name, version = environment_parts(job.environment)
         try:
-            found = (
-                client.environments.get(name, version=version)
-                if version
-                else client.environments.get(name, label="latest")
+            found = client.environments.get(
+                name, **({"version": version} if version else {"label": "latest"})
             )
         except ResourceNotFoundError:
             raise AmlUsageError(
@@ -170,11 +165,10 @@ def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=No
         stream: follow the job's logs until it ends (``client.jobs.stream``).
 
     Returns:
-        ``(the created job entity, its final status or None without stream)``; its name and URL are printed.
+        ``(the created job entity, its final status or None without stream)``.
 
     Raises:
         AmlSubmitError: no network; authentication or Azure errors (redacted; names ``az login``).
-        AmlUsageError: see :func:`get_or_create_cluster`, :func:`resolve_environment`.
     """
     from azure.core.exceptions import ClientAuthenticationError
 

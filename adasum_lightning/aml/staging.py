@@ -1,10 +1,7 @@
 """The local folders a job is made of: its image's Docker build context and its code snapshot.
 
-Both are read from the installed package, never from a checkout. The build context holds the Dockerfile
-(``Dockerfile.in`` with Open MPI and Horovod for MPI jobs, ``Dockerfile.ddp.in`` for ``ddp_adasum``), the
-torch pins, the requirements and the wheel of the installed adasum-lightning (:func:`build_wheel`), so the job
-runs the version that submitted it; :func:`content_version` names the image by its content. The code snapshot
-is the project's source directory (:mod:`.project`), or the bundled MNIST example.
+Both come from the installed package. The build context holds the wheel of the installed adasum-lightning, so
+the job runs the version that submitted it; :func:`content_version` names the image by its content.
 """
 
 from __future__ import annotations

@@ -57,12 +57,8 @@ def find_config_file(start: str | os.PathLike | None = None) -> Path:
 
 def load_workspace_config(path: str | os.PathLike | None = None) -> WorkspaceConfig:
     """Read and validate a workspace config file (the module docstring gives the format); ``None`` searches
-    :data:`DEFAULT_CONFIG_FILES` in the working directory.
-
-    Raises:
-        AmlUsageError: the file is missing or unreadable, not a JSON object, lacks a key, has an empty or
-            non-string value, or a subscription id that is not a GUID; the message names the file and fix.
-    """
+    :data:`DEFAULT_CONFIG_FILES` in the working directory. Each :class:`.errors.AmlUsageError` names the file
+    and the fix."""
     file = Path(path) if path is not None else find_config_file()
     where = f"workspace config file {file}"
     if file.is_dir():
@@ -93,7 +89,7 @@ def load_workspace_config(path: str | os.PathLike | None = None) -> WorkspaceCon
                 f"{where}: 'Scope' is not an Azure ML workspace id "
                 "(/subscriptions/<GUID>/resourceGroups/<group>/"
                 "providers/Microsoft.MachineLearningServices/workspaces/<name>). Fix it or use the three "
-                "keys " + ", ".join(REQUIRED_KEYS)
+                f"keys {', '.join(REQUIRED_KEYS)}"
             )
         data = {**match.groupdict(), **{k: v for k, v in data.items() if k in REQUIRED_KEYS}}
     missing = [k for k in REQUIRED_KEYS if k not in data]

@@ -99,13 +99,13 @@ _SUBMIT_HELP = (
     "${{inputs.NAME}} / ${{outputs.NAME}}."
 )
 _SUBMIT_EPILOG = (
-    "--trainer-args on appends --trainer.strategy/devices/num_nodes to a LightningCLI script's arguments; "
-    "others read ADASUM_STRATEGY, ADASUM_ACCELERATOR, ADASUM_DEVICES, ADASUM_NUM_NODES. --environment "
-    "(NAME:VERSION, azureml:NAME:VERSION, NAME@latest) must have adasum-lightning (and Horovod). URIs: "
-    "azureml://datastores/<ds>/paths/<p>, azureml:<asset>:<version> or https://… (inputs), local paths with "
-    f"--local. --resume keeps Lightning's checkpoints in the output {CHECKPOINT_OUTPUT} (a new folder on the "
-    f"workspace's blob store, or --output {CHECKPOINT_OUTPUT}=URI), and a restarted job resumes from the "
-    "last."
+    "--trainer-args on (auto: when the script uses LightningCLI) appends "
+    "--trainer.strategy/devices/num_nodes; others read ADASUM_STRATEGY, ADASUM_ACCELERATOR, ADASUM_DEVICES, "
+    "ADASUM_NUM_NODES. --environment (NAME:VERSION, azureml:NAME:VERSION, NAME@latest) must have "
+    "adasum-lightning (and Horovod). URIs: azureml://datastores/<ds>/paths/<p>, azureml:<asset>:<version> or "
+    "https://… (inputs), local paths with --local. --resume keeps Lightning's checkpoints in the output "
+    f"{CHECKPOINT_OUTPUT} (a new folder on the workspace's blob store, or --output {CHECKPOINT_OUTPUT}=URI), "
+    "and a restarted job resumes from the last."
 )
 
 
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus-per-node",
         type=int,
         default=j.DEFAULT_PROCESSES_PER_NODE,
-        help=f"GPUs a node (default 4; {pow2})",
+        help=f"GPUs per node (default 4; {pow2})",
     )
     a("--vm-size", default=j.DEFAULT_VM_SIZE, help=f"Azure VM size (default {j.DEFAULT_VM_SIZE})")
     a("--cluster", default=j.DEFAULT_CLUSTER, help=f"AmlCompute cluster name (default {j.DEFAULT_CLUSTER})")

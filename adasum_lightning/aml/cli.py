@@ -34,24 +34,11 @@ PROG = "adasum-aml"
 #: Per SDK: its module, the pip extra that brings it, its package.
 SDKS = {"v1": ("azureml.core", "aml", "azureml-core"), "v2": ("azure.ai.ml", "aml-v2", "azure-ai-ml")}
 #: Unknown options passed through to the training script without ``--`` (LightningCLI groups).
-PASS_THROUGH_PREFIXES = (
-    "--trainer.",
-    "--model.",
-    "--data.",
-    "--seed_everything",
-    "--optimizer",
-    "--lr_scheduler",
+PASS_THROUGH_PREFIXES = tuple(
+    "--trainer. --model. --data. --seed_everything --optimizer --lr_scheduler".split()
 )
 #: :class:`AmlJob` fields given by the option of the same name.
-_SAME_NAME_FIELDS = (
-    "strategy",
-    "vm_size",
-    "min_nodes",
-    "max_nodes",
-    "base_image",
-    "environment",
-    "low_priority",
-)
+_SAME_NAME_FIELDS = "strategy vm_size min_nodes max_nodes base_image environment low_priority resume".split()
 
 
 def _installed(module: str) -> bool:
@@ -291,7 +278,6 @@ def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
         trainer_args=trainer_args,
         data=data,
         requirements=read_requirements(args.requirements, *pins) if args.requirements else (),
-        resume=args.resume,
     )
     if script is not None:  # after every check: nothing is printed for bad input but the error
         _warn_about_the_script(script, facts, trainer_args, args.strategy)

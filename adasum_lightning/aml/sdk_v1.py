@@ -212,10 +212,10 @@ def resolve_environment(workspace, job: AmlJob, staged: StagedJob, upload_build_
         env = Environment.get(workspace, name)
     except Exception:  # not registered yet
         say(f"new environment {name}: Azure ML builds it with this run")
-        upload = DockerBuildContext.from_local_directory if upload_build_context else None
-        return build_environment(
-            job, staged, upload and upload(workspace, str(staged.context_dir), "Dockerfile")
-        )
+        if not upload_build_context:
+            return build_environment(job, staged)
+        context = DockerBuildContext.from_local_directory(workspace, str(staged.context_dir), "Dockerfile")
+        return build_environment(job, staged, context)
     say(f"reusing the environment {name} (same content as an earlier submit)")
     return env
 

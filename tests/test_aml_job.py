@@ -18,10 +18,9 @@ from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
 from adasum_lightning.aml.job import (
     DEFAULT_TRAINING_ARGS,
     AmlJob,
+    check_process_count,
     lookup_vm_size,
-    timedelta_arg,
 )
-from adasum_lightning.aml.local import check_local_count
 from adasum_lightning.aml.project import parse_bindings
 from adasum_lightning.aml.workspace import check_network, find_config_file, load_workspace_config, redact
 from tests.aml_support import no_network  # noqa: F401  (fixture)
@@ -151,7 +150,7 @@ def test_ddp_adasum_job_runs_lightning_ddp_on_the_topology():
     assert not job.is_mpi and job.world_size == 12 and job.devices == 4
     assert job.base_image == "nvidia/cuda:13.0.0-runtime-ubuntu22.04"  # nothing is compiled in its image
     assert job.environment_name == "adasum-lightning-ddp"
-    timeout = timedelta_arg(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = str(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
     assert (
         job.training_command()
         == [
@@ -193,12 +192,12 @@ def test_horovod_job_averages_with_one_gpu_per_mpi_process():
 def test_only_horovod_adasum_needs_powers_of_two(strategy):
     job = AmlJob(strategy=strategy, node_count=6, process_count_per_node=3)
     assert job.world_size == 18
-    check_local_count(job, 3)  # --local 3 too
+    check_process_count(3, "--local", "--local", job.strategy)  # --local 3 too
     with pytest.raises(
         AmlUsageError,
         match=r"--local=3 is not a power of 2.*Use --local 2 or --local 4, or --strategy ddp_adasum",
     ):
-        check_local_count(AmlJob(), 3)
+        check_process_count(3, "--local", "--local", AmlJob().strategy)
 
 
 def test_training_args_may_repeat_the_topology_and_change_the_ddp_timeout():

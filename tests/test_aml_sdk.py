@@ -18,7 +18,6 @@ from adasum_lightning.aml.job import (
     DEFAULT_BASE_IMAGE,
     DEFAULT_DDP_BASE_IMAGE,
     AmlJob,
-    timedelta_arg,
 )
 from adasum_lightning.aml.staging import constraints, stage_job
 from adasum_lightning.aml.workspace import WorkspaceConfig
@@ -201,7 +200,7 @@ def test_v1_pytorch_job_for_ddp_adasum(staged_ddp):
     assert rc["framework"] == "PyTorch" and rc["communicator"] == "nccl" and rc["nodeCount"] == 3
     assert rc["pytorch"] == {"communicationBackend": "nccl", "processCount": 12, "nodeCount": 3}
     assert rc["script"] == "mnist.py" and rc["arguments"][0] == "fit"
-    timeout = timedelta_arg(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = str(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
     for arg in (
         "--trainer.strategy=adasum_lightning.DDPAdasumStrategy",
         f"--trainer.strategy.timeout={timeout}",
@@ -328,7 +327,7 @@ def test_v2_pytorch_job_for_ddp_adasum(staged_ddp, tmp_path):
     assert data["resources"] == {"instance_count": 3, "properties": {}, "shm_size": "16g"}
     words = data["command"].split()
     assert words[:4] == ["python", "mnist.py", "fit", "--trainer.strategy=adasum_lightning.DDPAdasumStrategy"]
-    timeout = timedelta_arg(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
+    timeout = str(failure_detection.DDP_PROCESS_GROUP_TIMEOUT)
     for arg in (f"--trainer.strategy.timeout={timeout}", "--trainer.devices=4", "--trainer.num_nodes=3"):
         assert arg in words, arg
     assert "--trainer.accelerator=gpu" in words

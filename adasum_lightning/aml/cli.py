@@ -17,6 +17,7 @@ codes: 0 success; 1 submission failed (network, authentication, Azure); 2 bad in
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import shutil
 import sys
@@ -24,35 +25,20 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
-from adasum_lightning.aml.job import (
-    CHECKPOINT_OUTPUT,
-    DEFAULT_BASE_IMAGE,
-    DEFAULT_CLUSTER,
-    DEFAULT_DDP_BASE_IMAGE,
-    DEFAULT_EXPERIMENT,
-    DEFAULT_NODE_COUNT,
-    DEFAULT_PROCESSES_PER_NODE,
-    DEFAULT_STRATEGY,
-    DEFAULT_VM_SIZE,
-    STRATEGIES,
-    AmlJob,
-    experiment_name_for,
-)
+from adasum_lightning.aml import job as aml_job
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError, say
+from adasum_lightning.aml.job import CHECKPOINT_OUTPUT, AmlJob
 from adasum_lightning.aml.workspace import load_workspace_config, redact
 
 PROG = "adasum-aml"
-SDK_PACKAGES = {"v1": ("azureml.core", "aml"), "v2": ("azure.ai.ml", "aml-v2")}
-PACKAGE_NAMES = {"v1": "azureml-core", "v2": "azure-ai-ml"}
+#: Per SDK: its module, the pip extra that brings it, its package.
+SDKS = {"v1": ("azureml.core", "aml", "azureml-core"), "v2": ("azure.ai.ml", "aml-v2", "azure-ai-ml")}
 #: Unknown options passed through to the training script without ``--`` (LightningCLI groups).
-PASS_THROUGH_PREFIXES = (
-    "--trainer.",
-    "--model.",
-    "--data.",
-    "--seed_everything",
-    "--optimizer",
-    "--lr_scheduler",
+PASS_THROUGH_PREFIXES = tuple(
+    "--trainer. --model. --data. --seed_everything --optimizer --lr_scheduler".split()
 )
+#: :class:`AmlJob` fields given by the option of the same name.
+_SAME_NAME_FIELDS = "strategy vm_size min_nodes max_nodes base_image environment low_priority resume".split()
 
 
 def _installed(module: str) -> bool:
@@ -72,17 +58,16 @@ def resolve_sdk(choice: str) -> str:
         raise AmlUsageError(f"unknown SDK {choice!r}: use --sdk auto, --sdk v1 or --sdk v2")
     if choice == "auto":
         for sdk in ("v2", "v1"):
-            if _installed(SDK_PACKAGES[sdk][0]):
+            if _installed(SDKS[sdk][0]):
                 return sdk
         raise AmlUsageError(
             "no Azure ML SDK is installed: pip install 'adasum-lightning[aml-v2]' (SDK v2, recommended) or "
             "'adasum-lightning[aml]' (SDK v1, azureml-core; support ended 2026-06-30)"
         )
-    module, extra = SDK_PACKAGES[choice]
+    module, extra, package = SDKS[choice]
     if not _installed(module):
         raise AmlUsageError(
-            f"--sdk {choice} needs the package {PACKAGE_NAMES[choice]}: "
-            f"pip install 'adasum-lightning[{extra}]'"
+            f"--sdk {choice} needs the package {package}: pip install 'adasum-lightning[{extra}]'"
         )
     return choice
 
@@ -94,272 +79,120 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
+_SUBMIT_HELP = (
+    "Submit SCRIPT of the source directory (default: the bundled MNIST example) with horovod_adasum or "
+    "horovod (an MPI job) or ddp_adasum (a PyTorch job) to an Azure ML GPU cluster. Arguments after '--' "
+    "(and unknown --trainer.*/--model.*/--data.* options) are passed to the script; they may name data as "
+    "${{inputs.NAME}} / ${{outputs.NAME}}."
+)
+_SUBMIT_EPILOG = (
+    "--trainer-args on (auto: when the script uses LightningCLI) appends "
+    "--trainer.strategy/devices/num_nodes; others read ADASUM_STRATEGY, ADASUM_ACCELERATOR, ADASUM_DEVICES, "
+    "ADASUM_NUM_NODES. --environment (NAME:VERSION, azureml:NAME:VERSION, NAME@latest) must have "
+    "adasum-lightning (and Horovod). URIs: azureml://datastores/<ds>/paths/<p>, azureml:<asset>:<version> or "
+    "https://… (inputs), local paths with --local. --resume keeps Lightning's checkpoints in the output "
+    f"{CHECKPOINT_OUTPUT} (a new folder on the workspace's blob store, or --output {CHECKPOINT_OUTPUT}=URI), "
+    "and a restarted job resumes from the last."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """``adasum-aml``'s parser: the ``submit`` command and its argument groups."""
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Submit a Lightning project to Azure ML with Adasum."
-    )
+    """``adasum-aml``'s parser: the ``submit`` command and its argument groups (details in the epilog)."""
+    j, pow2, many = aml_job, "a power of 2 for horovod_adasum", {"action": "append", "default": []}
+    parser = argparse.ArgumentParser(PROG, description="Submit a Lightning project to Azure ML with Adasum.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "submit",
-        help="submit the job (or --dry-run / --local N)",
-        description="Submit SCRIPT of the source directory (default: the bundled MNIST example) with "
-        "horovod_adasum (an MPI job), horovod (an MPI job) or ddp_adasum (a PyTorch job) to an Azure ML GPU "
-        "cluster. Arguments after '--' (and unknown --trainer.*/--model.*/--data.* options) are passed to "
-        "the script; they may name data as ${{inputs.NAME}} / ${{outputs.NAME}}.",
+    p = sub.add_parser("submit", help="submit the job (or --dry-run / --local N)", description=_SUBMIT_HELP)
+    p.epilog = _SUBMIT_EPILOG
+    a = p.add_argument_group("your project").add_argument
+    a("script", nargs="?", metavar="SCRIPT", help="entry script in --source-dir (default: the MNIST example)")
+    a("--source-dir", help="the code snapshot, minus what .amlignore or .gitignore excludes (default: .)")
+    a("--trainer-args", choices=("auto", "on", "off"), default="auto", help="append --trainer.* arguments")
+    a("--requirements", metavar="FILE", help="your project's pip requirements, installed in the job image")
+    a("--environment", metavar="NAME[:VERSION]", help="a registered Azure ML environment to run in")
+    a = p.add_argument_group("data (the script's arguments name it ${{inputs.NAME}} / ${{outputs.NAME}})")
+    a = a.add_argument
+    a("--input", **many, metavar="NAME=URI", help="data the job reads (repeatable)")
+    a("--input-mode", **many, metavar="NAME=MODE", help="ro_mount (default) or download")
+    a("--input-type", **many, metavar="NAME=TYPE", help="uri_folder (default) or uri_file")
+    a("--output", **many, metavar="NAME=URI", help="a folder the job writes (repeatable)")
+    a("--output-mode", **many, metavar="NAME=MODE", help="rw_mount (default) or upload")
+    a = p.add_argument_group("the cluster and the job").add_argument
+    a(
+        "--strategy",
+        default=j.DEFAULT_STRATEGY,
+        help=f"{', '.join(j.STRATEGIES)} (default {j.DEFAULT_STRATEGY})",
     )
-    _add_project_arguments(p.add_argument_group("your project"))
-    _add_data_arguments(
-        p.add_argument_group("data (the script's arguments name it ${{inputs.NAME}} / ${{outputs.NAME}})")
+    a("--config", help="workspace config (default: ./config_aml.json, ./config.json, ./.azureml/config.json)")
+    a("--sdk", default="auto", help="auto (v2 when installed, else v1), v1 (azureml-core) or v2")
+    a("--nodes", type=int, default=j.DEFAULT_NODE_COUNT, help=f"nodes (default 8; {pow2})")
+    a(
+        "--gpus-per-node",
+        type=int,
+        default=j.DEFAULT_PROCESSES_PER_NODE,
+        help=f"GPUs per node (default 4; {pow2})",
     )
-    _add_cluster_arguments(p.add_argument_group("the cluster and the job"))
-    _add_mode_arguments(p.add_argument_group("what submit does: submit (default), --dry-run or --local N"))
+    a("--vm-size", default=j.DEFAULT_VM_SIZE, help=f"Azure VM size (default {j.DEFAULT_VM_SIZE})")
+    a("--cluster", default=j.DEFAULT_CLUSTER, help=f"AmlCompute cluster name (default {j.DEFAULT_CLUSTER})")
+    a("--experiment", help=f"default: your project's folder name, or {j.DEFAULT_EXPERIMENT}")
+    a("--low-priority", action="store_true", help="a cluster of low-priority (spot) VMs; implies --resume")
+    a("--resume", action="store_true", help="keep checkpoints; a restarted job resumes from the last one")
+    a("--min-nodes", type=int, default=0, help="cluster minimum nodes (default 0: no idle cost)")
+    a("--max-nodes", type=int, help="cluster maximum nodes (default: --nodes)")
+    a("--base-image", help=f"base of the image adasum-aml builds (default {j.DEFAULT_BASE_IMAGE})")
+    a("--env", **many, type=_env_pair, metavar="NAME=VALUE", help="a job variable (repeatable; no secrets)")
+    a(
+        "--staging-dir",
+        help="a new or empty folder for the code snapshot and build context (default: temporary)",
+    )
+    g = p.add_argument_group("what submit does: submit (default), --dry-run or --local N")
+    g.add_argument(
+        "--stream", action="store_true", help="follow the job's logs; exit 0 when it completed, else 3"
+    )
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the job built offline (v1 JSON, v2 YAML)")
+    mode.add_argument("--local", type=int, metavar="N", help=f"run the job here on N CPU processes ({pow2})")
+    g.add_argument("--local-batches", type=int, default=4, help="batches per process for --local (default 4)")
+    g.add_argument("--data-dir", help="the MNIST example's data for --local (DIR/MNIST/raw; default ./data)")
     return parser
 
 
-def _add_project_arguments(p: argparse._ArgumentGroup) -> None:
-    """SCRIPT, its source folder, its requirements or environment and how it is given the strategy."""
-    p.add_argument(
-        "script",
-        nargs="?",
-        metavar="SCRIPT",
-        help="the entry script, a path inside --source-dir relative to it (default: the bundled MNIST "
-        "example)",
-    )
-    p.add_argument(
-        "--source-dir",
-        help="your project's folder: the job's code snapshot, minus what its .amlignore or .gitignore "
-        "excludes (default: the current directory)",
-    )
-    p.add_argument(
-        "--trainer-args",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="append --trainer.strategy/devices/num_nodes to the script's arguments: on for LightningCLI "
-        "scripts, off for others (they read ADASUM_STRATEGY, ADASUM_ACCELERATOR, ADASUM_DEVICES, "
-        "ADASUM_NUM_NODES); auto (default): on when the script uses LightningCLI",
-    )
-    p.add_argument(
-        "--requirements",
-        metavar="FILE",
-        help="your project's pip requirements, installed in the job image",
-    )
-    p.add_argument(
-        "--environment",
-        metavar="NAME[:VERSION]",
-        help="run in this registered Azure ML environment (NAME:VERSION, azureml:NAME:VERSION or "
-        "NAME@latest) instead of building one; it must have adasum-lightning (and Horovod for the Horovod "
-        "strategies)",
-    )
-
-
-def _add_data_arguments(p: argparse._ArgumentGroup) -> None:
-    """``--input``/``--output`` and their modes and types."""
-    p.add_argument(
-        "--input",
-        action="append",
-        default=[],
-        metavar="NAME=URI",
-        help="data the job reads: azureml://datastores/<ds>/paths/<p>, azureml:<asset>:<version>, https://…, "
-        "or a local path with --local (repeatable); the script's arguments name it ${{inputs.NAME}}",
-    )
-    p.add_argument(
-        "--input-mode",
-        action="append",
-        default=[],
-        metavar="NAME=MODE",
-        help="ro_mount (default) or download",
-    )
-    p.add_argument(
-        "--input-type",
-        action="append",
-        default=[],
-        metavar="NAME=TYPE",
-        help="uri_folder (default) or uri_file",
-    )
-    p.add_argument(
-        "--output",
-        action="append",
-        default=[],
-        metavar="NAME=URI",
-        help="a folder the job writes: azureml://datastores/<ds>/paths/<p> (or a local path with --local); "
-        "the script's arguments name it ${{outputs.NAME}}",
-    )
-    p.add_argument(
-        "--output-mode",
-        action="append",
-        default=[],
-        metavar="NAME=MODE",
-        help="rw_mount (default) or upload",
-    )
-
-
-def _add_cluster_arguments(p: argparse._ArgumentGroup) -> None:
-    """The strategy, the workspace, the SDK, the cluster and the job's image and environment."""
-    p.add_argument(
-        "--strategy",
-        default=DEFAULT_STRATEGY,
-        help=f"{', '.join(STRATEGIES)} (default {DEFAULT_STRATEGY}): the Horovod strategies run as an "
-        "Azure ML MPI job, ddp_adasum as a PyTorch job (no MPI, no Horovod)",
-    )
-    p.add_argument(
-        "--config",
-        help="workspace config: the seed's config_aml.json or Azure ML's config.json "
-        "(default: ./config_aml.json, ./config.json, ./.azureml/config.json)",
-    )
-    p.add_argument("--sdk", default="auto", help="auto (v2 when installed, else v1), v1 (azureml-core) or v2")
-    p.add_argument(
-        "--nodes",
-        type=int,
-        default=DEFAULT_NODE_COUNT,
-        help="nodes (default 8; a power of 2 for horovod_adasum)",
-    )
-    p.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=DEFAULT_PROCESSES_PER_NODE,
-        help="processes (GPUs) per node (default 4; a power of 2 for horovod_adasum)",
-    )
-    p.add_argument("--vm-size", default=DEFAULT_VM_SIZE, help=f"Azure VM size (default {DEFAULT_VM_SIZE})")
-    p.add_argument(
-        "--cluster", default=DEFAULT_CLUSTER, help=f"AmlCompute cluster name (default {DEFAULT_CLUSTER})"
-    )
-    p.add_argument(
-        "--experiment",
-        help=f"experiment (default: your project's folder name; {DEFAULT_EXPERIMENT} for the example)",
-    )
-    p.add_argument(
-        "--low-priority",
-        action="store_true",
-        help="create the cluster with low-priority (spot) VMs, which Azure may preempt; Azure ML restarts a "
-        "preempted job, which resumes from its checkpoints (implies --resume)",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help=f"keep Lightning's checkpoints in the job's output {CHECKPOINT_OUTPUT} (a new folder on the "
-        f"workspace's blob store, or --output {CHECKPOINT_OUTPUT}=URI) and resume a restarted job from the "
-        "last one (LightningCLI scripts: ModelCheckpoint(save_last=True) there and --ckpt_path=last)",
-    )
-    p.add_argument("--min-nodes", type=int, default=0, help="cluster minimum nodes (default 0: no idle cost)")
-    p.add_argument("--max-nodes", type=int, default=None, help="cluster maximum nodes (default: --nodes)")
-    p.add_argument(
-        "--base-image",
-        default=None,
-        help=f"base of the image adasum-aml builds (default {DEFAULT_BASE_IMAGE})"
-        if DEFAULT_BASE_IMAGE == DEFAULT_DDP_BASE_IMAGE
-        else f"base of the image adasum-aml builds (default {DEFAULT_BASE_IMAGE} for the Horovod strategies, "
-        f"{DEFAULT_DDP_BASE_IMAGE} for ddp_adasum)",
-    )
-    p.add_argument(
-        "--env",
-        action="append",
-        type=_env_pair,
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra job environment variable (repeatable; no secrets)",
-    )
-    p.add_argument(
-        "--staging-dir",
-        help="where to write the code snapshot and build context "
-        "(default: a new temporary folder; kept for --dry-run and --local; must be new or empty)",
-    )
-
-
-def _add_mode_arguments(p: argparse._ArgumentGroup) -> None:
-    """What ``submit`` does: submit (and ``--stream``), ``--dry-run`` or ``--local N``."""
-    p.add_argument(
-        "--stream",
-        action="store_true",
-        help="after submitting, follow the job's logs until it ends; exit 0 when it completed, else 3",
-    )
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="build the SDK objects offline and print the job (v1: JSON, v2: YAML); no credentials",
-    )
-    mode.add_argument(
-        "--local",
-        type=int,
-        metavar="N",
-        help="run the job's command here with N CPU processes: under horovodrun for the Horovod strategies "
-        "(a power of 2 for horovod_adasum), started as an Azure ML PyTorch job starts them for ddp_adasum",
-    )
-    p.add_argument(
-        "--local-batches",
-        type=int,
-        default=4,
-        help="training and validation batches per process for --local of a LightningCLI script (default 4)",
-    )
-    p.add_argument(
-        "--data-dir",
-        default=None,
-        help="MNIST root of the bundled example for --local (DIR/MNIST/raw; default ./data); a script of "
-        "your own takes its data from --input",
-    )
-
-
-def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``(launcher arguments, training arguments)``: LightningCLI options before ``--`` go to the script.
-
-    An option's bare value (``--trainer.x 2``) goes with it.
-    """
-    launcher, training = [], []
-    argv = list(argv)
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith(PASS_THROUGH_PREFIXES):
-            training.append(arg)
-            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-                training.append(argv[i + 1])
-                i += 1
-        else:
-            launcher.append(arg)
-        i += 1
-    return launcher, training
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse ``argv``; LightningCLI options (``--trainer.x=…``) before ``--`` count as training arguments."""
-    parser = build_parser()
+    """Parse ``argv``; LightningCLI options before ``--`` go to the script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    after = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, after = argv[:cut], argv[cut + 1 :]
-    argv, passed = _split_pass_through(argv)
-    args, unknown = parser.parse_known_args(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    own, passed, after, i = [], [], argv[cut + 1 :], 0
+    while i < cut:
+        lightning = argv[i].startswith(PASS_THROUGH_PREFIXES)
+        with_value = lightning and "=" not in argv[i] and i + 1 < cut and not argv[i + 1].startswith("-")
+        (passed if lightning else own).extend(argv[i : i + 1 + with_value])
+        i += 1 + with_value
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(own)
     if unknown:
         parser.error(
             f"unrecognized arguments: {' '.join(unknown)} (put training-script arguments after '--')"
         )
-    args.training_args = [*passed, *after]
-    args.lightning_options = passed
+    args.training_args, args.lightning_options = [*passed, *after], passed
     args.first_script_arg = after[0] if after else None
     return args
 
 
 def _check_options(args: argparse.Namespace) -> None:
     """Refuse option combinations that contradict each other (before any file is read)."""
-    first = getattr(args, "first_script_arg", None)
-    if args.script is None and first is not None and first.endswith(".py"):
+    first = getattr(args, "first_script_arg", None) or ""
+    if args.script is None and first.endswith(".py"):
         raise AmlUsageError(
             f"{first} after '--' would be an argument of the bundled MNIST example: put the script before "
             f"'--' (adasum-aml submit [--source-dir DIR] {first} -- ARGS)"
         )
     if args.script is None:
         _check_staging_dir(args.staging_dir, None)
-        for flag, value in (
-            ("--source-dir", args.source_dir),
-            ("--trainer-args", args.trainer_args != "auto"),
-        ):
-            if value:
-                raise AmlUsageError(
-                    f"{flag} applies to a script of your own: pass SCRIPT (a path inside the source "
-                    f"directory), or drop {flag} to submit the bundled MNIST example"
-                )
+        flag = "--source-dir" if args.source_dir else "--trainer-args" if args.trainer_args != "auto" else ""
+        if flag:
+            raise AmlUsageError(
+                f"{flag} applies to a script of your own: pass SCRIPT (a path inside the source directory), "
+                f"or drop {flag} to submit the bundled MNIST example"
+            )
     elif args.data_dir is not None:
         raise AmlUsageError(
             "--data-dir is the bundled MNIST example's data folder; give your script its data with --input "
@@ -371,22 +204,20 @@ def _check_options(args: argparse.Namespace) -> None:
 
 def _warn_about_the_script(script: str, facts, trainer_args: bool, strategy: str) -> None:
     """Say how the script learns the strategy; warn when it would not find the strategy's name."""
-    if trainer_args:
-        how = "--trainer.* arguments appended (a LightningCLI script)"
-    else:
-        how = (
-            "no --trainer.* arguments (not a LightningCLI script: it reads ADASUM_STRATEGY, ADASUM_DEVICES, "
-            "ADASUM_NUM_NODES; pass --trainer-args on if it builds a LightningCLI elsewhere)"
-        )
-    print(f"[{PROG}] {script}: {how}", file=sys.stderr, flush=True)
+    how = (
+        "--trainer.* arguments appended (a LightningCLI script)"
+        if trainer_args
+        else "no --trainer.* arguments (not a LightningCLI script: it reads ADASUM_STRATEGY, ADASUM_DEVICES, "
+        "ADASUM_NUM_NODES; pass --trainer-args on if it builds a LightningCLI elsewhere)"
+    )
+    say(f"{script}: {how}", sys.stderr)
     needs_name = not (trainer_args and strategy == "ddp_adasum")  # ddp_adasum is passed as a class path
     if needs_name and not facts.imports_adasum:
-        print(
-            f"[{PROG}] warning: {script} does not import adasum_lightning, which registers "
-            f"strategy='{strategy}' with Lightning; add `import adasum_lightning` to it (or to a module it "
-            "imports), or Lightning stops with 'You selected an invalid strategy name'",
-            file=sys.stderr,
-            flush=True,
+        say(
+            f"warning: {script} does not import adasum_lightning, which registers strategy='{strategy}' with "
+            "Lightning; add `import adasum_lightning` to it (or to a module it imports), or Lightning stops "
+            "with 'You selected an invalid strategy name'",
+            sys.stderr,
         )
 
 
@@ -395,14 +226,13 @@ def _check_staging_dir(staging_dir: str | None, source_dir: Path | None) -> None
     if not staging_dir:
         return
     path = Path(staging_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise AmlUsageError(f"--staging-dir {staging_dir} is a file: pass a new or empty folder")
-    if path.is_dir() and any(path.iterdir()):
+    problem = "is a file" if path.exists() and not path.is_dir() else ""
+    problem = problem or ("is not empty" if path.is_dir() and any(path.iterdir()) else "")
+    if problem:
         raise AmlUsageError(
-            f"--staging-dir {staging_dir} is not empty: pass a new or empty folder (adasum-aml deletes "
-            "nothing)"
+            f"--staging-dir {staging_dir} {problem}: pass a new or empty folder (adasum-aml deletes nothing)"
         )
-    if source_dir is not None and (path.resolve() == source_dir or source_dir in path.resolve().parents):
+    if source_dir is not None and source_dir in (path.resolve(), *path.resolve().parents):
         raise AmlUsageError(
             f"--staging-dir {staging_dir} is inside the source directory {source_dir}, so it would be "
             "uploaded with the code: pass a folder outside it"
@@ -410,11 +240,7 @@ def _check_staging_dir(staging_dir: str | None, source_dir: Path | None) -> None
 
 
 def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
-    """The validated :class:`AmlJob` and the project's source directory (``None``: the bundled example).
-
-    Raises:
-        AmlUsageError: any invalid argument or file.
-    """
+    """The validated :class:`AmlJob` and the project's source directory (``None``: the bundled example)."""
     from adasum_lightning.aml.project import check_script, parse_bindings, read_requirements, script_facts
     from adasum_lightning.aml.staging import constraints, image_dependencies
 
@@ -437,36 +263,21 @@ def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
                 f"--local with --resume keeps the checkpoints in a folder of yours, kept between runs: pass "
                 f"--output {CHECKPOINT_OUTPUT}=DIR"
             )
-    data = parse_bindings(
-        args.input,
-        args.output,
-        args.input_mode,
-        args.output_mode,
-        args.input_type,
-        local=args.local is not None,
-    )
-    requirements = (
-        read_requirements(args.requirements, constraints(), image_dependencies()) if args.requirements else ()
-    )
+    modes = (args.input_mode, args.output_mode, args.input_type)
+    data = parse_bindings(args.input, args.output, *modes, local=args.local is not None)
+    pins = (constraints(), image_dependencies()) if args.requirements else ()
     job = AmlJob(
-        strategy=args.strategy,
-        experiment_name=args.experiment or experiment_name_for(source_dir.name if source_dir else None),
+        **{name: getattr(args, name) for name in _SAME_NAME_FIELDS},
+        experiment_name=args.experiment or aml_job.experiment_name_for(source_dir and source_dir.name),
         compute_name=args.cluster,
-        vm_size=args.vm_size,
         node_count=args.nodes,
         process_count_per_node=args.gpus_per_node,
-        min_nodes=args.min_nodes,
-        max_nodes=args.max_nodes,
         training_args=tuple(args.training_args),
         environment_variables=dict(args.env),
-        base_image=args.base_image,
         script=script,
         trainer_args=trainer_args,
         data=data,
-        requirements=requirements,
-        environment=args.environment,
-        low_priority=args.low_priority,
-        resume=args.resume,
+        requirements=read_requirements(args.requirements, *pins) if args.requirements else (),
     )
     if script is not None:  # after every check: nothing is printed for bad input but the error
         _warn_about_the_script(script, facts, trainer_args, args.strategy)
@@ -475,101 +286,70 @@ def job_from_args(args: argparse.Namespace) -> tuple[AmlJob, Path | None]:
 
 def _summary(job: AmlJob, sdk: str, staged) -> str:
     kind = "an MPI job" if job.is_mpi else "a PyTorch job"
-    image = (
-        f"registered environment {job.environment}"
-        if job.environment
-        else f"image {job.environment_name}{'-' if sdk == 'v1' else ':'}{staged.environment_version}"
+    image = f"image {job.environment_name}{'-' if sdk == 'v1' else ':'}{staged.environment_version}"
+    if job.environment:
+        image = f"registered environment {job.environment}"
+    text = (
+        f"SDK {sdk}: {job.script_name} with {job.strategy} as {kind}, {image}, {job.node_count} nodes × "
+        f"{job.process_count_per_node} processes ({job.world_size} GPUs) of {job.vm_size} on cluster "
+        f"{job.compute_name} ({job.cluster_nodes}), experiment {job.experiment_name}"
     )
-    return (
-        f"[{PROG}] SDK {sdk}: {job.script_name} with {job.strategy} as {kind}, {image}, "
-        f"{job.node_count} nodes × "
-        f"{job.process_count_per_node} processes "
-        f"({job.world_size} GPUs) of {job.vm_size} on cluster {job.compute_name} "
-        f"({job.min_nodes}–{job.max_nodes} {'low-priority ' if job.low_priority else ''}nodes), "
-        f"experiment {job.experiment_name}"
-        + (f"; checkpoints in {_checkpoint_uri(job)}, a restart resumes from the last" if job.resume else "")
-    )
-
-
-def _checkpoint_uri(job: AmlJob) -> str:
-    return next(b.uri for b in job.data if b.direction == "outputs" and b.name == CHECKPOINT_OUTPUT)
+    if job.resume:
+        uri = next(b.uri for b in job.data if b.direction == "outputs" and b.name == CHECKPOINT_OUTPUT)
+        text += f"; checkpoints in {uri}, a restart resumes from the last"
+    return text
 
 
 def submit_command(args: argparse.Namespace) -> int:
     """``adasum-aml submit``: validate everything offline, then dry-run, run locally or submit."""
     job, source_dir = job_from_args(args)
     if args.local is not None:
-        from adasum_lightning.aml.local import check_local_count, run_local
+        from adasum_lightning.aml.local import run_local
 
-        check_local_count(job, args.local)
-        ignored = [
-            flag
-            for flag, given in (("--environment", args.environment), ("--requirements", args.requirements))
-            if given
-        ]
+        aml_job.check_process_count(args.local, "--local", "--local", job.strategy)
+        ignored = " and ".join(f for f in ("--environment", "--requirements") if getattr(args, f[2:]))
         if ignored:
-            print(
-                f"[{PROG}] note: --local runs in this Python environment ({sys.executable}); "
-                f"{' and '.join(ignored)} apply to the cluster job's image",
-                file=sys.stderr,
-                flush=True,
+            say(
+                f"note: --local runs in this Python environment ({sys.executable}); {ignored} apply to the "
+                "cluster job's image",
+                sys.stderr,
             )
-        work = (
-            Path(args.staging_dir) if args.staging_dir else Path(tempfile.mkdtemp(prefix="adasum-aml-local-"))
-        )
-        return run_local(
-            job,
-            args.local,
-            work_dir=work,
-            source_dir=source_dir,
-            data_dir=args.data_dir,
-            batches=args.local_batches,
-        )
+        work = Path(args.staging_dir or tempfile.mkdtemp(prefix="adasum-aml-local-"))
+        return run_local(job, args.local, work, source_dir, args.data_dir, args.local_batches)
     sdk = resolve_sdk(args.sdk)
     if sdk == "v1":
-        print(
-            f"[{PROG}] note: SDK v1 (azureml-core) is deprecated and its support ended on 2026-06-30; "
-            "pip install 'adasum-lightning[aml-v2]' to use SDK v2",
-            file=sys.stderr,
-            flush=True,
+        say(
+            "note: SDK v1 (azureml-core) is deprecated and its support ended on 2026-06-30; pip install "
+            "'adasum-lightning[aml-v2]' to use SDK v2",
+            sys.stderr,
         )
     config = load_workspace_config(args.config) if (args.config or not args.dry_run) else None
 
     from adasum_lightning.aml.staging import stage_job
 
-    keep = args.dry_run or bool(args.staging_dir)
-    root = Path(args.staging_dir) if args.staging_dir else Path(tempfile.mkdtemp(prefix="adasum-aml-"))
+    root = Path(args.staging_dir or tempfile.mkdtemp(prefix="adasum-aml-"))
     try:
         staged = stage_job(job, root, source_dir)
-        print(_summary(job, sdk, staged), file=sys.stderr, flush=True)
-        if sdk == "v1":
-            from adasum_lightning.aml import sdk_v1 as backend
-        else:
-            from adasum_lightning.aml import sdk_v2 as backend
+        say(_summary(job, sdk, staged), sys.stderr)
+        backend = importlib.import_module(f"adasum_lightning.aml.sdk_{sdk}")
         if args.dry_run:
-            built = backend.build(job, staged)
-            print(backend.render(built), flush=True)
-            print(
-                f"[{PROG}] dry run: nothing was sent to Azure; code snapshot {staged.code_dir} "
-                f"({len(staged.files)} file{'s' if len(staged.files) != 1 else ''}), build context "
-                f"{staged.context_dir or '(none: registered environment)'}",
-                file=sys.stderr,
-                flush=True,
+            print(backend.render(backend.build(job, staged)), flush=True)
+            files = f"{len(staged.files)} file{'s' if len(staged.files) != 1 else ''}"
+            context = staged.context_dir or "(none: registered environment)"
+            say(
+                f"dry run: nothing was sent to Azure; code snapshot {staged.code_dir} ({files}), build "
+                f"context {context}",
+                sys.stderr,
             )
             return 0
-        print(
-            f"[{PROG}] workspace {config.workspace_name} (resource group {config.resource_group}) "
-            f"from {config.source}",
-            file=sys.stderr,
-            flush=True,
-        )
+        say(f"workspace {config.workspace_name} of {config.resource_group} ({config.source})", sys.stderr)
         _, status = backend.submit(job, staged, config, stream=args.stream)
         if args.stream and status != "Completed":
             print(f"{PROG}: the job ended with status {status}", file=sys.stderr)
             return 3
         return 0
     finally:
-        if not keep:
+        if not (args.dry_run or args.staging_dir):
             shutil.rmtree(root, ignore_errors=True)
 
 
@@ -577,18 +357,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default: ``sys.argv[1:]``) and return the exit code (see module doc)."""
     args = parse_args(argv)
     try:
-        if args.command == "submit":
-            return submit_command(args)
-    except AmlUsageError as err:
-        print(f"{PROG}: error: {redact(str(err))}", file=sys.stderr)
-        return 2
-    except AmlSubmitError as err:
-        print(f"{PROG}: submit failed: {redact(str(err))}", file=sys.stderr)
-        return 1
+        return submit_command(args)  # the one command
+    except (AmlUsageError, AmlSubmitError) as err:
+        usage = isinstance(err, AmlUsageError)
+        print(f"{PROG}: {'error' if usage else 'submit failed'}: {redact(str(err))}", file=sys.stderr)
+        return 2 if usage else 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    return 2
 
 
 if __name__ == "__main__":

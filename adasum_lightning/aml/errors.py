@@ -1,8 +1,8 @@
-"""The errors of ``adasum-aml``, in a module of their own that every other module of the package imports."""
+"""The errors of ``adasum-aml`` and its one way of talking to the user."""
 
 from __future__ import annotations
 
-__all__ = ["AmlSubmitError", "AmlUsageError"]
+__all__ = ["AmlSubmitError", "AmlUsageError", "say"]
 
 
 class AmlUsageError(ValueError):
@@ -11,3 +11,8 @@ class AmlUsageError(ValueError):
 
 class AmlSubmitError(RuntimeError):
     """Submission failed at run time (no network, authentication, Azure error). CLI exit code 1."""
+
+
+def say(message: str, file=None) -> None:
+    """Print ``[adasum-aml] message`` to ``file`` (default stdout), flushed before the next slow step."""
+    print(f"[adasum-aml] {message}", file=file, flush=True)

@@ -1,10 +1,8 @@
 """The user's project as an Azure ML job sees it: entry script, code snapshot, requirements and data.
 
-Every check raises :class:`.errors.AmlUsageError` naming the fix, before any SDK object exists. The code
-snapshot is the source directory minus what its ``.amlignore`` (else ``.gitignore``) excludes, as Azure ML
-uploads it. ``--input``/``--output NAME=URI`` become ``uri_folder``/``uri_file`` bindings that the script's
-arguments name as ``${{inputs.NAME}}``/``${{outputs.NAME}}`` (SDK v2 binds them; :func:`bind_placeholders`
-does for SDK v1 and ``--local``).
+Every check raises :class:`.errors.AmlUsageError` naming the fix, before any SDK object exists. The script's
+arguments name the data as ``${{inputs.NAME}}``/``${{outputs.NAME}}``: SDK v2 binds them,
+:func:`bind_placeholders` does for SDK v1 and ``--local``.
 """
 
 from __future__ import annotations
@@ -56,23 +54,19 @@ def check_script(source_dir: str | Path, script: str) -> tuple[Path, str]:
         raise AmlUsageError(
             f"--source-dir {source} is empty: pass the folder that holds your training script"
         )
-    given = Path(script).expanduser()
-    path = (given if given.is_absolute() else source / given).resolve()
-    try:
-        relative = path.relative_to(source)
-    except ValueError:
+    path = (source / Path(script).expanduser()).resolve()  # an absolute SCRIPT stays as it is
+    if not path.is_relative_to(source):
         raise AmlUsageError(
             f"the script {script} is outside the source directory {source}: Azure ML uploads only the source "
             "directory. Pass --source-dir with a folder that contains it, and SCRIPT relative to that folder"
-        ) from None
-    if path.is_dir():
-        raise AmlUsageError(
-            f"the script {relative.as_posix()} is a directory: pass the training script inside it"
         )
+    relative = path.relative_to(source).as_posix()
+    if path.is_dir():
+        raise AmlUsageError(f"the script {relative} is a directory: pass the training script inside it")
     if not path.is_file():
         raise AmlUsageError(
-            f"the script {relative.as_posix()} does not exist in the source directory {source}: pass SCRIPT "
-            "relative to --source-dir (default: the current directory)"
+            f"the script {relative} does not exist in the source directory {source}: pass SCRIPT relative to "
+            "--source-dir (default: the current directory)"
         )
     try:
         path.read_bytes()
@@ -80,65 +74,44 @@ def check_script(source_dir: str | Path, script: str) -> tuple[Path, str]:
         raise AmlUsageError(
             f"the script {path} cannot be read ({err.strerror}): fix its permissions"
         ) from None
-    return source, relative.as_posix()
-
-
-def ignore_spec(source_dir: Path):
-    """The ``pathspec.PathSpec`` of what Azure ML leaves out of ``source_dir``, and its ignore file."""
-    import pathspec
-
-    lines = list(ALWAYS_IGNORED)
-    used = None
-    for name in IGNORE_FILES:
-        candidate = source_dir / name
-        if candidate.is_file():
-            lines += candidate.read_text(encoding="utf-8", errors="replace").splitlines()
-            used = candidate
-            break
-    return pathspec.PathSpec.from_lines("gitwildmatch", lines), used
-
-
-def snapshot_files(source_dir: Path) -> list[str]:
-    """The files (POSIX paths relative to ``source_dir``, sorted) that the job's code snapshot holds."""
-    spec, _ = ignore_spec(source_dir)
-    files = []
-    for path in sorted(source_dir.rglob("*")):
-        relative = path.relative_to(source_dir).as_posix()
-        if path.is_dir():
-            continue
-        if not spec.match_file(relative):
-            files.append(relative)
-    return files
+    return source, relative
 
 
 def copy_snapshot(source_dir: Path, dest: Path, script: str) -> list[str]:
-    """Copy the snapshot of ``source_dir`` into ``dest`` (created); returns the copied files.
+    """Copy into ``dest`` what Azure ML uploads of ``source_dir``: its files minus what the first of
+    :data:`IGNORE_FILES` excludes (and :data:`ALWAYS_IGNORED`); returns them (sorted POSIX paths).
 
     Raises:
         AmlUsageError: the ignore file excludes the entry script itself (the job could not start).
     """
-    files = snapshot_files(source_dir)
+    import pathspec
+
+    used = next((source_dir / name for name in IGNORE_FILES if (source_dir / name).is_file()), None)
+    lines = [
+        *ALWAYS_IGNORED,
+        *(used.read_text(encoding="utf-8", errors="replace").splitlines() if used else []),
+    ]
+    spec = pathspec.PathSpec.from_lines("gitwildmatch", lines)
+    paths = (
+        path.relative_to(source_dir).as_posix() for path in sorted(source_dir.rglob("*")) if not path.is_dir()
+    )
+    files = [path for path in paths if not spec.match_file(path)]
     if script not in files:
-        _, used = ignore_spec(source_dir)
         raise AmlUsageError(
             f"{used or 'the ignore rules'} excludes the entry script {script}, so Azure ML would not upload "
             f"it: add the line !{script} to {used.name if used else '.amlignore'}"
         )
     for relative in files:
-        target = dest / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source_dir / relative, target)
+        (dest / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source_dir / relative, dest / relative)
     return files
 
 
 @dataclass(frozen=True)
 class ScriptFacts:
-    """What the entry script's own code shows (its syntax tree; comments and strings do not count).
-
-    Attributes:
-        lightning_cli: it imports or calls ``LightningCLI`` (under any alias), so it takes ``--trainer.*``.
-        imports_adasum: it imports ``adasum_lightning``, which registers the strategy names.
-    """
+    """What the entry script's own code shows (its syntax tree; comments and strings do not count): it uses
+    ``LightningCLI`` (under any alias: it takes ``--trainer.*``), it imports ``adasum_lightning`` (which
+    registers the strategy names)."""
 
     lightning_cli: bool
     imports_adasum: bool
@@ -169,10 +142,9 @@ def script_facts(script_path: Path) -> ScriptFacts:
             adasum |= (node.module or "").split(".")[0] == "adasum_lightning"
         elif isinstance(node, ast.Import):
             adasum |= any(alias.name.split(".")[0] == "adasum_lightning" for alias in node.names)
-        elif isinstance(node, ast.Attribute) and node.attr == "LightningCLI":
-            cli = True
-        elif isinstance(node, ast.Name) and node.id == "LightningCLI":
-            cli = True
+        cli |= (
+            getattr(node, "attr", getattr(node, "id", None)) == "LightningCLI"
+        )  # pl.cli.LightningCLI or LightningCLI
     return ScriptFacts(cli, adasum)
 
 
@@ -183,73 +155,64 @@ def read_requirements(
     """The requirement lines of the user's ``--requirements FILE`` (comments and blank lines dropped).
 
     Args:
-        path: a pip requirements file.
         pins: ``{"torch": "2.14.1", ...}``, the image's pins; a requirement that excludes one is refused here
             instead of failing the image build.
         dependencies: adasum-lightning's own requirements (:func:`.staging.image_dependencies`); an exact pin
             (``NAME==V``) outside them is refused.
 
     Raises:
-        AmlUsageError: a missing or unreadable file; a line that is not a requirement specifier (pip options,
-            ``-r``/``-e``, local paths); a conflict with ``pins``.
+        AmlUsageError: a missing or unreadable file; a line that is not a requirement specifier (pip
+            options, ``-r``/``-e``, local paths); adasum-lightning itself; a conflict with ``pins`` or
+            ``dependencies``.
     """
-    file = Path(path).expanduser()
     try:
-        text = file.read_text(encoding="utf-8")
+        text = Path(path).expanduser().read_text(encoding="utf-8")
     except FileNotFoundError:
         raise AmlUsageError(
             f"--requirements {path}: no such file; pass your project's requirements.txt"
         ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise AmlUsageError(f"--requirements {path} cannot be read ({err}): fix the file") from None
-    lines = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split(" #", 1)[0].strip()
+    lines = [(n, raw.split(" #", 1)[0].strip()) for n, raw in enumerate(text.splitlines(), start=1)]
+    for number, line in lines:
+        where = f"--requirements {path}, line {number}"
         if not line or line.startswith("#"):
             continue
         try:
             req = Requirement(line)
         except InvalidRequirement:
             raise AmlUsageError(
-                f"--requirements {path}, line {number}: {line!r} is not a requirement the image can install "
-                "(pip options, -r/-e and local paths are not part of the image's build context): write "
-                "NAME, NAME==VERSION or NAME @ https://…"
+                f"{where}: {line!r} is not a requirement the image can install (pip options, -r/-e and local "
+                "paths are not part of the image's build context): write NAME, NAME==VERSION or NAME @ "
+                "https://…"
             ) from None
-        pinned = pins.get(req.name.lower())
+        name, exact = req.name.lower(), [spec.version for spec in req.specifier if spec.operator == "=="]
+        pinned = pins.get(name)
         if pinned is not None and req.specifier and not req.specifier.contains(pinned, prereleases=True):
             raise AmlUsageError(
-                f"--requirements {path}, line {number}: {line} excludes {req.name}=={pinned}, the version "
-                f"the image pins (adasum_lightning/constraints.txt): drop the line or allow {pinned}"
+                f"{where}: {line} excludes {req.name}=={pinned}, the version the image pins "
+                f"(adasum_lightning/constraints.txt): drop the line or allow {pinned}"
             )
-        if req.name.lower().replace("_", "-") == "adasum-lightning":
+        if name.replace("_", "-") == "adasum-lightning":
             raise AmlUsageError(
-                f"--requirements {path}, line {number}: the image installs the adasum-lightning that submits "
-                "the job (built from this installation): drop the line"
+                f"{where}: the image installs the adasum-lightning that submits the job (built from this "
+                "installation): drop the line"
             )
-        exact = [spec.version for spec in req.specifier if spec.operator == "=="]
-        for allowed in dependencies.get(req.name.lower(), ()):
-            if exact and not allowed.contains(exact[0], prereleases=True):
+        for allowed in dependencies.get(name, ()) if exact else ():
+            if not allowed.contains(exact[0], prereleases=True):
                 raise AmlUsageError(
-                    f"--requirements {path}, line {number}: {line} conflicts with adasum-lightning's own "
-                    f"requirement {req.name}{allowed}: drop the line or pin a version within it"
+                    f"{where}: {line} conflicts with adasum-lightning's own requirement {req.name}{allowed}: "
+                    "drop the line or pin a version within it"
                 )
-        lines.append(line)
-    return tuple(lines)
+    return tuple(line for _, line in lines if line and not line.startswith("#"))
 
 
 # -- data in and out ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DataBinding:
-    """One ``--input`` or ``--output`` of the job.
-
-    Attributes:
-        name: the binding's name (``${{inputs.NAME}}``): letters, digits and ``_``.
-        uri: ``azureml://datastores/<ds>/paths/<p>``, ``azureml:<asset>:<version>`` or ``https://`` (inputs
-            only), or a local folder for ``--local``.
-        direction: ``"inputs"`` or ``"outputs"``.
-        type: ``"uri_folder"`` (default) or ``"uri_file"``.
-        mode: inputs ``"ro_mount"`` (default) or ``"download"``; outputs ``"rw_mount"`` (default) or
-            ``"upload"``.
+    """One ``--input`` or ``--output`` of the job: ``${{<direction>.<name>}}`` in the script's arguments, its
+    ``uri`` (``azureml://datastores/<ds>/paths/<p>``, ``azureml:<asset>:<version>``, ``https://…`` or, for
+    ``--local``, a local path), one of :data:`DATA_TYPES` and one of :data:`INPUT_MODES`/:data:`OUTPUT_MODES`.
     """
 
     name: str
@@ -273,6 +236,10 @@ class DataBinding:
     @property
     def is_remote(self) -> bool:
         return bool(self.datastore_path or self.asset or self.uri.startswith("https://"))
+
+    @property
+    def option(self) -> str:
+        return "--input" if self.direction == "inputs" else "--output"
 
 
 def _pairs(values: Iterable[str], option: str) -> dict[str, str]:
@@ -309,86 +276,75 @@ def parse_bindings(
             a binding, a local path for a cluster job or a remote URI for ``--local``.
     """
     given = {"inputs": _pairs(inputs, "--input"), "outputs": _pairs(outputs, "--output")}
-    modes = {"inputs": _pairs(input_modes, "--input-mode"), "outputs": _pairs(output_modes, "--output-mode")}
-    kinds = _pairs(types, "--input-type")
     both = set(given["inputs"]) & set(given["outputs"])
     if both:
         raise AmlUsageError(f"{', '.join(sorted(both))} is both an --input and an --output: rename one")
-    for direction, allowed in (("inputs", INPUT_MODES), ("outputs", OUTPUT_MODES)):
-        option = "--input" if direction == "inputs" else "--output"
-        for name, mode in modes[direction].items():
+    settings = (
+        ("inputs", "--input-mode", input_modes, INPUT_MODES),
+        ("outputs", "--output-mode", output_modes, OUTPUT_MODES),
+        ("inputs", "--input-type", types, DATA_TYPES),
+    )
+    chosen = []
+    for direction, option, values, allowed in settings:
+        chosen.append(_pairs(values, option))
+        for name, value in chosen[-1].items():
             if name not in given[direction]:
-                raise AmlUsageError(f"{option}-mode {name}={mode}: there is no {option} {name}=URI")
-            if mode not in allowed:
-                raise AmlUsageError(f"{option}-mode {name}={mode}: use one of {', '.join(allowed)}")
-    for name, kind in kinds.items():
-        if name not in given["inputs"]:
-            raise AmlUsageError(f"--input-type {name}={kind}: there is no --input {name}=URI")
-        if kind not in DATA_TYPES:
-            raise AmlUsageError(f"--input-type {name}={kind}: use uri_folder or uri_file")
+                raise AmlUsageError(f"{option} {name}={value}: there is no {option[:-5]} {name}=URI")
+            if value not in allowed:
+                raise AmlUsageError(f"{option} {name}={value}: use one of {', '.join(allowed)}")
+    modes, kinds = {"inputs": chosen[0], "outputs": chosen[1]}, chosen[2]
     bindings = []
     for direction, allowed in (("inputs", INPUT_MODES), ("outputs", OUTPUT_MODES)):
         for name, uri in given[direction].items():
-            binding = DataBinding(
-                name,
-                uri,
-                direction,
-                kinds.get(name, "uri_folder"),
-                modes[direction].get(name, allowed[0]),
-            )
-            _check_uri(binding, local)
-            bindings.append(binding)
+            mode = modes[direction].get(name, allowed[0])
+            bindings.append(DataBinding(name, uri, direction, kinds.get(name, "uri_folder"), mode))
+            _check_uri(bindings[-1], local)
     return tuple(bindings)
 
 
 def _check_uri(binding: DataBinding, local: bool) -> None:
-    option = "--input" if binding.direction == "inputs" else "--output"
-    uri = binding.uri
+    option, name, uri = binding.option, binding.name, binding.uri
     if local:
         if binding.is_remote or "://" in uri or uri.startswith("azureml:"):
             raise AmlUsageError(
-                f"{option} {binding.name}={uri}: --local reads and writes local folders; pass {option} "
-                f"{binding.name}=PATH (e.g. a downloaded copy of the data)"
+                f"{option} {name}={uri}: --local reads and writes local folders; pass {option} {name}=PATH "
+                "(e.g. a downloaded copy of the data)"
             )
         if binding.direction == "inputs" and not Path(uri).expanduser().exists():
             raise AmlUsageError(
-                f"--input {binding.name}={uri}: no such file or folder (a relative path is taken from the "
-                "current directory, not from --source-dir)"
+                f"--input {name}={uri}: no such file or folder (a relative path is taken from the current "
+                "directory, not from --source-dir)"
             )
         return
     if binding.direction == "outputs" and not binding.datastore_path:
         raise AmlUsageError(
-            f"--output {binding.name}={uri}: outputs are written to a datastore: pass --output "
-            f"{binding.name}=azureml://datastores/<datastore>/paths/<folder>"
+            f"--output {name}={uri}: outputs are written to a datastore: pass --output "
+            f"{name}=azureml://datastores/<datastore>/paths/<folder>"
+        )
+    if binding.is_remote and re.search(r"[?&](sig|sv|se)=", uri):
+        raise AmlUsageError(
+            f"{option} {name}: the URL carries a SAS token, which would be shown in the job's definition: "
+            "register the storage as a datastore and pass azureml://datastores/<datastore>/paths/<path>"
         )
     if binding.is_remote:
-        if re.search(r"[?&](sig|sv|se)=", uri):
-            raise AmlUsageError(
-                f"{option} {binding.name}: the URL carries a SAS token, which would be shown in the job's "
-                "definition: register the storage as a datastore and pass "
-                "azureml://datastores/<datastore>/paths/<path>"
-            )
         return
     if uri.startswith(("azureml:", "azureml://")):
         raise AmlUsageError(
-            f"{option} {binding.name}={uri} is not an Azure ML URI this launcher reads: use "
+            f"{option} {name}={uri} is not an Azure ML URI this launcher reads: use "
             "azureml://datastores/<datastore>/paths/<path> or azureml:<data asset>:<version> (or @latest)"
         )
     if "://" in uri:
-        raise AmlUsageError(f"--input {binding.name}={uri}: only https:// URLs are read; use https")
+        raise AmlUsageError(f"--input {name}={uri}: only https:// URLs are read; use https")
     raise AmlUsageError(
-        f"--input {binding.name}={uri} is a local path, which the cluster cannot read and this launcher does "
-        "not upload: register it once (`az ml data create --name NAME --version 1 --type uri_folder --path "
-        f"{uri}`) and pass --input {binding.name}=azureml:NAME:1, or use --local"
+        f"--input {name}={uri} is a local path, which the cluster cannot read and this launcher does not "
+        "upload: register it once (`az ml data create --name NAME --version 1 --type uri_folder --path "
+        f"{uri}`) and pass --input {name}=azureml:NAME:1, or use --local"
     )
 
 
 def check_placeholders(args: Sequence[str], bindings: Sequence[DataBinding]) -> None:
-    """Refuse ``${{inputs.X}}`` / ``${{outputs.X}}`` in ``args`` that no binding defines.
-
-    Raises:
-        AmlUsageError: names the missing ``--input``/``--output``.
-    """
+    """Refuse ``${{inputs.X}}`` / ``${{outputs.X}}`` in ``args`` that no binding defines (names the missing
+    ``--input``/``--output``), and single-brace ``${inputs.X}``."""
     known = {(b.direction, b.name) for b in bindings}
     for arg in args:
         loose = re.search(r"\$\{\s*(inputs|outputs)\.([A-Za-z0-9_]+)\s*\}(?!\})", arg)

@@ -10,86 +10,63 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 
-from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError
-from adasum_lightning.aml.job import (
-    IDLE_SECONDS_BEFORE_SCALEDOWN,
-    SHM_SIZE,
-    AmlJob,
-    environment_parts,
-)
+from adasum_lightning.aml.errors import AmlSubmitError, AmlUsageError, say
+from adasum_lightning.aml.job import IDLE_SECONDS_BEFORE_SCALEDOWN, SHM_SIZE, AmlJob, environment_parts
 from adasum_lightning.aml.staging import StagedJob
-from adasum_lightning.aml.workspace import WorkspaceConfig, check_network, redact
+from adasum_lightning.aml.workspace import WorkspaceConfig, check_network, first_line, redact
 
 _DISPLAY_NAMES = {"horovod_adasum": "adasum", "horovod": "horovod", "ddp_adasum": "ddp-adasum"}
 
 
 def build_environment(job: AmlJob, staged: StagedJob):
-    """The job's environment: ``--environment``'s reference, else an ``Environment`` built from the context.
-
-    The built one is named :attr:`.job.AmlJob.environment_name` and versioned by its content
-    (:func:`.staging.content_version`).
-    """
+    """The job's environment: ``--environment``'s reference, else an ``Environment`` built from the
+    context, named :attr:`.job.AmlJob.environment_name`, versioned by :func:`.staging.content_version`."""
     from azure.ai.ml.entities import BuildContext, Environment
 
     if job.environment is not None:
         return job.environment
-    if job.is_mpi:
-        description = (
-            f"OpenMPI + CUDA ({job.base_image}), torch, Horovod with NCCL compiled with the registry's CUDA "
-            "wheels (patches/build_horovod.sh --gpu)"
-        )
-    else:
-        description = f"CUDA runtime ({job.base_image}), torch with NCCL; no MPI, no Horovod (ddp_adasum)"
+    description = (
+        f"OpenMPI + CUDA ({job.base_image}), torch, Horovod with NCCL compiled with the registry's CUDA "
+        "wheels (patches/build_horovod.sh --gpu)"
+        if job.is_mpi
+        else f"CUDA runtime ({job.base_image}), torch with NCCL; no MPI, no Horovod (ddp_adasum)"
+    )
+    build = BuildContext(path=str(staged.context_dir), dockerfile_path="Dockerfile")
     return Environment(
-        name=job.environment_name,
-        version=staged.environment_version,
-        description=description,
-        build=BuildContext(path=str(staged.context_dir), dockerfile_path="Dockerfile"),
+        name=job.environment_name, version=staged.environment_version, description=description, build=build
     )
 
 
-def build_distribution(job: AmlJob):
-    """``MpiDistribution`` for the Horovod strategies, ``PyTorchDistribution`` for ``ddp_adasum``."""
-    from azure.ai.ml import MpiDistribution, PyTorchDistribution
-
-    kind = MpiDistribution if job.is_mpi else PyTorchDistribution
-    return kind(process_count_per_instance=job.process_count_per_node)
-
-
-def build_data(job: AmlJob) -> tuple[dict, dict]:
-    """``(inputs, outputs)``: an ``Input`` per ``--input``, an ``Output`` per ``--output``."""
-    from azure.ai.ml import Input, Output
-
-    inputs, outputs = {}, {}
-    for binding in job.data:
-        if binding.direction == "inputs":
-            inputs[binding.name] = Input(type=binding.type, path=binding.uri, mode=binding.mode)
-        else:
-            outputs[binding.name] = Output(type=binding.type, path=binding.uri, mode=binding.mode)
-    return inputs, outputs
-
-
 def build(job: AmlJob, staged: StagedJob, environment=None):
-    """The job as an ``azure.ai.ml.entities.CommandJob`` on the cluster ``job.compute_name``.
+    """The job as an ``azure.ai.ml.entities.CommandJob`` on the cluster ``job.compute_name``: an ``Input`` per
+    ``--input``, an ``Output`` per ``--output``, ``MpiDistribution`` for the Horovod strategies,
+    ``PyTorchDistribution`` for ``ddp_adasum``.
 
     Args:
         environment: what the job runs in (default :func:`build_environment`; :func:`submit` passes the
             reference of an environment that exists).
     """
-    from azure.ai.ml import command
+    from azure.ai.ml import Input, MpiDistribution, Output, PyTorchDistribution, command
 
-    inputs, outputs = build_data(job)
+    data = {"inputs": {}, "outputs": {}}
+    for b in job.data:
+        data[b.direction][b.name] = (Input if b.direction == "inputs" else Output)(
+            type=b.type, path=b.uri, mode=b.mode
+        )
+    distribution = (MpiDistribution if job.is_mpi else PyTorchDistribution)(
+        process_count_per_instance=job.process_count_per_node
+    )
     name = Path(job.script_name).stem.replace("_", "-")
     node = command(
         code=str(staged.code_dir),
         command=job.command_line(),
-        inputs=inputs or None,
-        outputs=outputs or None,
+        inputs=data["inputs"] or None,
+        outputs=data["outputs"] or None,
         environment=environment if environment is not None else build_environment(job, staged),
         environment_variables=dict(job.environment_variables),
         compute=job.compute_name,
         instance_count=job.node_count,
-        distribution=build_distribution(job),
+        distribution=distribution,
         shm_size=SHM_SIZE,
         experiment_name=job.experiment_name,
         display_name=f"{name}-{_DISPLAY_NAMES[job.strategy]}-{job.node_count}x{job.process_count_per_node}",
@@ -107,10 +84,8 @@ def render(job_entity) -> str:
 
 
 def connect(config: WorkspaceConfig, *, credential_factory: Callable | None = None):
-    """An ``azure.ai.ml.MLClient`` for the workspace in ``config``.
-
-    The network is checked first (:func:`.workspace.check_network`). The default credential is
-    ``DefaultAzureCredential`` without its interactive browser step.
+    """An ``azure.ai.ml.MLClient`` for the workspace in ``config``, after :func:`.workspace.check_network`;
+    the default credential is ``DefaultAzureCredential`` without its interactive browser step.
 
     Raises:
         AmlSubmitError: no network.
@@ -121,23 +96,14 @@ def connect(config: WorkspaceConfig, *, credential_factory: Callable | None = No
     if credential_factory is None:
         from azure.identity import DefaultAzureCredential
 
-        def credential_factory():
-            return DefaultAzureCredential(exclude_interactive_browser_credential=True)
-
-    return MLClient(
-        credential_factory(),
-        subscription_id=config.subscription_id,
-        resource_group_name=config.resource_group,
-        workspace_name=config.workspace_name,
-    )
+        credential = DefaultAzureCredential(exclude_interactive_browser_credential=True)
+    else:
+        credential = credential_factory()
+    return MLClient(credential, config.subscription_id, config.resource_group, config.workspace_name)
 
 
 def get_or_create_cluster(client, job: AmlJob):
-    """The AmlCompute cluster ``job.compute_name`` of ``client``, created with the job's VM size and bounds.
-
-    Raises:
-        AmlUsageError: the name is taken by a cluster of another VM size or too small a maximum.
-    """
+    """The AmlCompute cluster ``job.compute_name``, created with the job's VM size and bounds when absent."""
     from azure.ai.ml.entities import AmlCompute
     from azure.core.exceptions import ResourceNotFoundError
 
@@ -147,26 +113,11 @@ def get_or_create_cluster(client, job: AmlJob):
         existing = None
     if existing is not None:
         size = str(getattr(existing, "size", "") or "")
-        if size and size.lower() != job.vm_size.lower():
-            raise AmlUsageError(
-                f"the cluster {job.compute_name} exists with VM size {size}, not {job.vm_size}. Pass "
-                f"--vm-size {size}, or --cluster NEW_NAME to create a {job.vm_size} cluster"
-            )
-        job.check_cluster_priority(str(getattr(existing, "tier", "") or ""))
-        max_instances = getattr(existing, "max_instances", None)
-        if isinstance(max_instances, int) and max_instances < job.node_count:
-            raise AmlUsageError(
-                f"the cluster {job.compute_name} scales to {max_instances} nodes, fewer than --nodes "
-                f"{job.node_count}. Raise its maximum in Azure ML studio, or pass --nodes {max_instances} or "
-                "a new --cluster name"
-            )
-        print(f"[adasum-aml] using the existing cluster {job.compute_name} ({size})", flush=True)
+        tier = str(getattr(existing, "tier", "") or "")
+        job.check_existing_cluster(size, getattr(existing, "max_instances", None), tier)
+        say(f"using the existing cluster {job.compute_name} ({size})")
         return existing
-    print(
-        f"[adasum-aml] creating the cluster {job.compute_name}: {job.vm_size}, "
-        f"{job.min_nodes}–{job.max_nodes} {'low-priority ' if job.low_priority else ''}nodes",
-        flush=True,
-    )
+    say(f"creating the cluster {job.compute_name}: {job.vm_size}, {job.cluster_nodes}")
     cluster = AmlCompute(
         name=job.compute_name,
         size=job.vm_size,
@@ -179,85 +130,69 @@ def get_or_create_cluster(client, job: AmlJob):
 
 
 def resolve_environment(client, job: AmlJob, staged: StagedJob):
-    """The job's environment: ``--environment``'s reference, an image of the same content, or a new entity.
-
-    Raises:
-        AmlUsageError: ``--environment`` names an environment the workspace does not have.
-    """
+    """The job's environment: ``--environment``'s reference (refused when absent), an image of the same
+    content, or a new entity."""
     from azure.core.exceptions import ResourceNotFoundError
 
     if job.environment is not None:
         name, version = environment_parts(job.environment)
         try:
-            found = (
-                client.environments.get(name, version=version)
-                if version
-                else client.environments.get(name, label="latest")
+            found = client.environments.get(
+                name, **({"version": version} if version else {"label": "latest"})
             )
         except ResourceNotFoundError:
             raise AmlUsageError(
                 f"--environment {job.environment}: the workspace has no such environment. List them with "
                 "`az ml environment list`, or drop --environment to let adasum-aml build one"
             ) from None
-        print(f"[adasum-aml] using the registered environment {found.name}:{found.version}", flush=True)
+        say(f"using the registered environment {found.name}:{found.version}")
         return f"azureml:{found.name}:{found.version}"
+    name = f"{job.environment_name}:{staged.environment_version}"
     try:
         client.environments.get(job.environment_name, version=staged.environment_version)
     except ResourceNotFoundError:
-        print(
-            f"[adasum-aml] new environment {job.environment_name}:{staged.environment_version}: Azure ML "
-            "builds it with this job",
-            flush=True,
-        )
+        say(f"new environment {name}: Azure ML builds it with this job")
         return build_environment(job, staged)
-    print(
-        f"[adasum-aml] reusing the environment {job.environment_name}:{staged.environment_version} "
-        "(same content as an earlier submit: no image build)",
-        flush=True,
-    )
-    return f"azureml:{job.environment_name}:{staged.environment_version}"
+    say(f"reusing the environment {name} (same content as an earlier submit: no image build)")
+    return f"azureml:{name}"
 
 
 def submit(job: AmlJob, staged: StagedJob, config: WorkspaceConfig, *, client=None, stream: bool = False):
     """Submit ``job`` with ``client.jobs.create_or_update``, after its cluster and environment.
 
     Args:
-        job, staged, config: what to run, its staged folders, where.
         client: an ``azure.ai.ml.MLClient`` (default: :func:`connect` to ``config``).
         stream: follow the job's logs until it ends (``client.jobs.stream``).
 
     Returns:
-        ``(the created job entity, its final status or None without stream)``; its name and URL are printed.
+        ``(the created job entity, its final status or None without stream)``.
 
     Raises:
         AmlSubmitError: no network; authentication or Azure errors (redacted; names ``az login``).
-        AmlUsageError: see :func:`get_or_create_cluster`, :func:`resolve_environment`.
     """
     from azure.core.exceptions import ClientAuthenticationError
 
     client = client if client is not None else connect(config)
     try:
         get_or_create_cluster(client, job)
-        environment = resolve_environment(client, job, staged)
-        created = client.jobs.create_or_update(
-            build(job, staged, environment), experiment_name=job.experiment_name
-        )
-        print(f"[adasum-aml] submitted job {created.name}: {created.studio_url}", flush=True)
+        entity = build(job, staged, resolve_environment(client, job, staged))
+        created = client.jobs.create_or_update(entity, experiment_name=job.experiment_name)
+        say(f"submitted job {created.name}: {created.studio_url}")
         if not stream:
             return created, None
         try:
             client.jobs.stream(created.name)
         except Exception as err:  # JobException when the job failed: its status below says so
-            print(f"[adasum-aml] {redact(str(err).strip().splitlines()[0] if str(err) else '')}", flush=True)
+            say(first_line(err))
         status = client.jobs.get(created.name).status
     except AmlUsageError:
         raise
     except ClientAuthenticationError as err:
         raise AmlSubmitError(
-            f"Azure authentication failed: {redact(str(err).splitlines()[0] if str(err) else '')}. Log in "
-            "with `az login`, or set AZURE_TENANT_ID, AZURE_CLIENT_ID and AZURE_CLIENT_SECRET"
+            f"Azure authentication failed: {first_line(err)}. Log in with `az login`, or set "
+            "AZURE_TENANT_ID, AZURE_CLIENT_ID and AZURE_CLIENT_SECRET"
         ) from err
     except Exception as err:
         raise AmlSubmitError(f"SDK v2 submission failed: {redact(str(err))}") from err
-    print(f"[adasum-aml] job {created.name} ended: {status}", flush=True)
+    say(f"job {created.name} ended: {status}")
     return created, status

@@ -1,10 +1,7 @@
 """The local folders a job is made of: its image's Docker build context and its code snapshot.
 
-Both are read from the installed package, never from a checkout. The build context holds the Dockerfile
-(``Dockerfile.in`` with Open MPI and Horovod for MPI jobs, ``Dockerfile.ddp.in`` for ``ddp_adasum``), the
-torch pins, the requirements and the wheel of the installed adasum-lightning (:func:`build_wheel`), so the job
-runs the version that submitted it; :func:`content_version` names the image by its content. The code snapshot
-is the project's source directory (:mod:`.project`), or the bundled MNIST example.
+Both come from the installed package. The build context holds the wheel of the installed adasum-lightning, so
+the job runs the version that submitted it; :func:`content_version` names the image by its content.
 """
 
 from __future__ import annotations
@@ -45,13 +42,8 @@ _SOURCE_DATE_EPOCH = "315532800"
 
 @dataclass(frozen=True)
 class StagedJob:
-    """Folders prepared for one job.
-
-    Attributes:
-        code_dir: the code snapshot; the job's working directory.
-        context_dir: the Docker build context; ``None`` when the job uses a registered environment.
-        environment_version: :func:`content_version` of the build context (``None`` without one).
-        files: the snapshot's files (POSIX paths relative to ``code_dir``).
+    """Folders prepared for one job: the code snapshot (the job's working directory) and its files (POSIX
+    paths), the Docker build context and its :func:`content_version` (``None`` for a registered environment).
     """
 
     code_dir: Path
@@ -73,53 +65,41 @@ def package_file(package: str, name: str) -> Path:
 
 def constraints() -> dict[str, str]:
     """The pinned versions of ``adasum_lightning/constraints.txt``: ``{"torch": "2.14.1", ...}``."""
-    pins = {}
-    for line in package_file("adasum_lightning", "constraints.txt").read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            name, _, version = line.partition("==")
-            pins[name.strip().lower()] = version.strip()
-    return pins
+    text = package_file("adasum_lightning", "constraints.txt").read_text(encoding="utf-8")
+    pins = [line.partition("==") for line in map(str.strip, text.splitlines()) if line and line[0] != "#"]
+    return {name.strip().lower(): version.strip() for name, _, version in pins}
 
 
 def image_dependencies() -> dict[str, list]:
     """What the image's wheel requires, with :data:`IMAGE_EXTRAS`: ``{lowercase name: [SpecifierSet, …]}``."""
     from packaging.requirements import Requirement
 
-    extras = IMAGE_EXTRAS.split(",")
+    extras = ["", *IMAGE_EXTRAS.split(",")]
     wanted: dict[str, list] = {}
-    for line in _installed_distribution().requires or []:
-        req = Requirement(line)
-        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in ["", *extras]):
-            continue
-        wanted.setdefault(req.name.lower(), []).append(req.specifier)
+    for req in map(Requirement, _installed_distribution().requires or []):
+        if req.marker is None or any(req.marker.evaluate({"extra": extra}) for extra in extras):
+            wanted.setdefault(req.name.lower(), []).append(req.specifier)
     return wanted
 
 
-def dockerfile_template(job: AmlJob) -> Path:
-    """``Dockerfile.in`` (Open MPI + Horovod) for MPI jobs, ``Dockerfile.ddp.in`` for ``ddp_adasum``."""
-    return package_file("adasum_lightning.aml", "Dockerfile.in" if job.is_mpi else "Dockerfile.ddp.in")
-
-
 def render_dockerfile(job: AmlJob, wheel_name: str) -> str:
-    """The job image's Dockerfile text for ``job.strategy``, ``job.base_image`` and the staged wheel."""
-    text = dockerfile_template(job).read_text(encoding="utf-8")
-    for key, value in {
+    """The job image's Dockerfile: ``Dockerfile.in`` (Open MPI + Horovod) for MPI jobs, ``Dockerfile.ddp.in``
+    for ``ddp_adasum``, with ``job.base_image`` and the staged wheel."""
+    template = package_file("adasum_lightning.aml", "Dockerfile.in" if job.is_mpi else "Dockerfile.ddp.in")
+    text = template.read_text(encoding="utf-8")
+    values = {
         "BASE_IMAGE": job.base_image,
         "CUDA_CC_LIST": CUDA_CC_LIST,
         "WHEEL": wheel_name,
         "EXTRAS": IMAGE_EXTRAS,
-    }.items():
+    }
+    for key, value in values.items():
         text = text.replace(f"@{key}@", value)
     return text
 
 
 def _installed_distribution() -> importlib.metadata.Distribution:
-    """The installed ``.dist-info`` of adasum-lightning (the one pip wrote, with a ``WHEEL`` file).
-
-    Raises:
-        AmlUsageError: adasum-lightning is imported but not installed (names the pip command).
-    """
+    """The installed ``.dist-info`` of adasum-lightning (the one pip wrote, with a ``WHEEL`` file)."""
     for dist in importlib.metadata.distributions(name=DISTRIBUTION):
         if dist.read_text("WHEEL") is not None:
             return dist
@@ -129,25 +109,10 @@ def _installed_distribution() -> importlib.metadata.Distribution:
     )
 
 
-def _installed_tree(dest: Path) -> Path:
-    """Copy the package and its ``.dist-info`` into ``dest``, an unpacked wheel for ``wheel pack``."""
-    dist = _installed_distribution()
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    package = dest / "adasum_lightning"
-    shutil.copytree(str(importlib.resources.files("adasum_lightning")), package, ignore=ignore)
-    # An editable install maps the bundled folders from elsewhere in the checkout: put them in place.
-    for name in (EXAMPLE_PACKAGE, HOROVOD_BUILD_PACKAGE):
-        target = dest.joinpath(*name.split("."))
-        shutil.copytree(str(importlib.resources.files(name)), target, ignore=ignore, dirs_exist_ok=True)
-    info = Path(str(dist.locate_file(f"{DISTRIBUTION.replace('-', '_')}-{dist.version}.dist-info")))
-    shutil.copytree(info, dest / info.name, ignore=shutil.ignore_patterns(*_INSTALL_RECORDS))
-    return dest
-
-
-def _tree_digest(root: Path, digest) -> None:
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
+def _digest(root: Path, digest, skip: str = "") -> None:
+    """Add every file under ``root`` but ``*skip`` (its POSIX path and bytes, in order) to ``digest``."""
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not (skip and p.name.endswith(skip))):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
 
 
 def build_wheel(dest: Path) -> tuple[Path, str]:
@@ -160,67 +125,58 @@ def build_wheel(dest: Path) -> tuple[Path, str]:
         AmlUsageError: adasum-lightning is not installed as a distribution, or ``wheel`` is missing (names the
             pip extra).
     """
+    dist, ignore = _installed_distribution(), shutil.ignore_patterns("__pycache__", "*.pyc")
     with tempfile.TemporaryDirectory(prefix="adasum-wheel-") as tmp:
-        tree = _installed_tree(Path(tmp) / "tree")
-        digest = hashlib.sha256()
-        _tree_digest(tree, digest)
-        dest.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "SOURCE_DATE_EPOCH": _SOURCE_DATE_EPOCH}
-        done = subprocess.run(
-            [sys.executable, "-m", "wheel", "pack", str(tree), "-d", str(dest)],
-            env=env,
-            capture_output=True,
-            text=True,
+        tree = Path(tmp) / "tree"  # the package and its .dist-info: an unpacked wheel
+        shutil.copytree(
+            str(importlib.resources.files("adasum_lightning")), tree / "adasum_lightning", ignore=ignore
         )
-        if done.returncode != 0:
-            if "No module named wheel" in done.stderr:
-                raise AmlUsageError(
-                    "building the job's adasum-lightning wheel needs the wheel package: pip install "
-                    "'adasum-lightning[aml-v2]' (or [aml]), which brings it"
-                )
-            raise AmlUsageError(f"wheel pack failed: {done.stderr.strip().splitlines()[-1:]}")
-    wheels = sorted(dest.glob("adasum_lightning-*.whl"))
-    return wheels[-1], digest.hexdigest()
+        for name in (EXAMPLE_PACKAGE, HOROVOD_BUILD_PACKAGE):  # an editable install maps these from elsewhere
+            target = tree.joinpath(*name.split("."))
+            shutil.copytree(str(importlib.resources.files(name)), target, ignore=ignore, dirs_exist_ok=True)
+        info = Path(str(dist.locate_file(f"{DISTRIBUTION.replace('-', '_')}-{dist.version}.dist-info")))
+        shutil.copytree(info, tree / info.name, ignore=shutil.ignore_patterns(*_INSTALL_RECORDS))
+        digest = hashlib.sha256()
+        _digest(tree, digest)
+        dest.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "wheel", "pack", str(tree), "-d", str(dest)]
+        env = {**os.environ, "SOURCE_DATE_EPOCH": _SOURCE_DATE_EPOCH}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0 and "No module named wheel" in done.stderr:
+        raise AmlUsageError(
+            "building the job's adasum-lightning wheel needs the wheel package: pip install "
+            "'adasum-lightning[aml-v2]' (or [aml]), which brings it"
+        )
+    if done.returncode != 0:
+        raise AmlUsageError(f"wheel pack failed: {done.stderr.strip().splitlines()[-1:]}")
+    return sorted(dest.glob("adasum_lightning-*.whl"))[-1], digest.hexdigest()
 
 
 def content_version(context_dir: Path, wheel_digest: str) -> str:
     """The environment version: 16 hex digits of the build context's SHA-256, the wheel by its content."""
     digest = hashlib.sha256(wheel_digest.encode())
-    for path in sorted(p for p in context_dir.rglob("*") if p.is_file() and p.suffix != ".whl"):
-        digest.update(path.relative_to(context_dir).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    _digest(context_dir, digest, skip=".whl")
     return digest.hexdigest()[:16]
 
 
 def stage_build_context(job: AmlJob, dest: Path) -> tuple[Path, str]:
-    """Write the Docker build context into ``dest`` (created); returns it and its :func:`content_version`.
-
-    Raises:
-        AmlUsageError: see :func:`build_wheel`, :func:`package_file`.
-    """
-    dest.mkdir(parents=True, exist_ok=True)
+    """Write the Docker build context into ``dest`` (created); returns it and its :func:`content_version`."""
     wheel, wheel_digest = build_wheel(dest)
     (dest / "Dockerfile").write_text(render_dockerfile(job, wheel.name), encoding="utf-8")
     shutil.copy2(package_file("adasum_lightning", "constraints.txt"), dest / "constraints.txt")
-    requirements = [*IMAGE_EXTRA_REQUIREMENTS, *job.requirements]
-    (dest / "requirements.txt").write_text("\n".join(requirements) + "\n", encoding="utf-8")
+    requirements = "\n".join([*IMAGE_EXTRA_REQUIREMENTS, *job.requirements]) + "\n"
+    (dest / "requirements.txt").write_text(requirements, encoding="utf-8")
     if job.is_mpi:
-        patches = dest / "patches"
-        patches.mkdir(exist_ok=True)
+        (dest / "patches").mkdir(exist_ok=True)
         script = package_file(HOROVOD_BUILD_PACKAGE, "build_horovod.sh")
         for src in [script, *sorted(script.parent.glob("horovod-*.patch"))]:
-            shutil.copy2(src, patches / src.name)
+            shutil.copy2(src, dest / "patches" / src.name)
     return dest, content_version(dest, wheel_digest)
 
 
 def stage_code(job: AmlJob, dest: Path, source_dir: Path | None = None) -> tuple[Path, tuple[str, ...]]:
-    """Write the code snapshot into ``dest`` (created): the source directory's files, or the bundled example.
-
-    Returns:
-        ``dest`` and the files.
-
-    Raises:
-        AmlUsageError: see :func:`.project.copy_snapshot`.
-    """
+    """Write the code snapshot into ``dest`` (created): the source directory's files, or the bundled example;
+    returns ``dest`` and the files."""
     dest.mkdir(parents=True, exist_ok=True)
     if job.script is None:
         for name in EXAMPLE_FILES:

@@ -1,7 +1,9 @@
 """``python -m benchmarks [--quick] [--only PART,...]``: run the benchmarks and write the results.
 
 Parts, in order: ``study`` (real processes; ``horovod_adasum``, ``ddp_adasum`` and averaging), ``simulated``
-(validation + N = 8 … 64), ``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s), ``overhead``
+(validation + N = 8 … 64), ``elastic_study`` (simulated, the world going 4 → 2 → 4 between epochs: Adasum at
+lr × 1 and averaging at lr × 4, each beside its uninterrupted 4-rank run; ``benchmarks/elastic_study.py``),
+``throughput`` (``ddp_adasum`` vs ``horovod_adasum``, steps/s), ``overhead``
 (Lightning vs raw Horovod loop), ``loops`` (the three forms of ``ddp_adasum`` — plain loop, Fabric, Trainer —
 and DDP, on the example's CNN and a 57 MB MLP), ``local_sgd_throughput`` (the Trainer's ``ddp_adasum`` every
 step and with ``sync_every=10`` beside ``ddp`` on that MLP), ``fsdp_memory`` (peak memory per rank and step
@@ -70,6 +72,9 @@ FULL = {
     "sim_average_factors": ["xN", "xsqrtN"],
     "sim_xN_seeds": 1,
     "sim_adasum_factors": ["x1", "x2"],
+    # World size per epoch of the elastic runs (the uninterrupted ones stay at the first), and their seeds.
+    "elastic_schedule": [4, 2, 4],
+    "elastic_seeds": [0, 1],
     "ddp_sizes": [2, 4],
     "throughput_sizes": [2, 4],
     "throughput_repeats": 4,
@@ -138,6 +143,8 @@ QUICK = {
     "sim_seeds": [0],
     "sim_epochs": 1,
     "sim_average_factors": ["xN"],
+    "elastic_schedule": [4, 2],
+    "elastic_seeds": [0],
     "throughput_sizes": [2],
     "throughput_repeats": 1,
     "overhead_sizes": [2],
@@ -170,6 +177,7 @@ LOCAL_SGD_IMPLS = ("trainer_ddp", "trainer_adasum", "trainer_adasum_sync10")
 PARTS = [
     "study",
     "simulated",
+    "elastic_study",
     "throughput",
     "overhead",
     "loops",
@@ -542,6 +550,14 @@ def main() -> None:
         start = time.perf_counter()
         save("study_simulated", {"config": cfg, "baseline_lr": lr, "runs": scaling(cfg, lr, root)})
         timings["simulated"] = time.perf_counter() - start
+    if "elastic_study" in parts:
+        from benchmarks.elastic_study import run as elastic_study
+
+        study_path = out_dir / "study_real.json"
+        study = json.loads((study_path if study_path.exists() else RESULTS / "study_real.json").read_text())
+        start = time.perf_counter()
+        save("elastic_study", {"config": cfg, **elastic_study(cfg, study["baseline_lr"], root)})
+        timings["elastic_study"] = time.perf_counter() - start
     if "throughput" in parts:
         start = time.perf_counter()
         save("throughput", {"config": cfg, **throughput(cfg, out_dir)})

@@ -554,6 +554,9 @@ def write_report(directory: Path, quick: bool = False) -> Path:
     fsdp_memory = _load(directory, "fsdp_memory")
     if fsdp_memory:
         md += _fsdp_memory_section(fsdp_memory)
+    elastic = _load(directory, "elastic_study")
+    if elastic:
+        md += _elastic_study_section(elastic)
     slow_link = _load(directory, "slow_link")
     if slow_link:
         md += _slow_link_section(slow_link, fig_dir / f"{prefix}slow_link.png")
@@ -789,6 +792,69 @@ def _fsdp_memory_section(result: dict) -> list[str]:
                 md.append(f"- {key.replace('_', ' ').replace(' mb ', ' (MiB) ')}: {shown}")
         md.append("")
     return md
+
+
+#: ``elastic_study``'s runs, as the report names them.
+_ELASTIC_LABELS = {
+    "adasum_elastic": "Adasum (`ddp_adasum`), lr × 1",
+    "adasum_4": "Adasum (`ddp_adasum`), lr × 1",
+    "average_elastic": "averaging, lr × 4 kept",
+    "average_4": "averaging, lr × 4",
+}
+
+
+def _elastic_study_rows(result: dict) -> list[list[str]]:
+    """Part ``elastic_study``'s table rows: run, world per epoch, final val_acc (%) and val_loss, each as
+    mean ± standard deviation over the seeds with [min, max]."""
+    rows = []
+    for row in result["summary"]:
+        acc = {k: 100 * v for k, v in row["val_acc"].items() if k != "values"}
+        loss = row["val_loss"]
+        rows.append(
+            [
+                _ELASTIC_LABELS[row["run"]],
+                " → ".join(str(w) for w in row["world_sizes"]),
+                f"{acc['mean']:.2f} ± {acc['std']:.2f} [{acc['min']:.2f}, {acc['max']:.2f}]",
+                f"{loss['mean']:.4f} ± {loss['std']:.4f} [{loss['min']:.4f}, {loss['max']:.4f}]",
+            ]
+        )
+    return rows
+
+
+def _elastic_study_section(result: dict) -> list[str]:
+    """Part ``elastic_study``: the final validation accuracy and loss of the simulated elastic runs."""
+    cfg = result["config"]
+    schedule = " → ".join(str(w) for w in cfg["elastic_schedule"])
+    seeds = ", ".join(str(s) for s in cfg["elastic_seeds"])
+    return [
+        f"## A world that shrinks and grows: {schedule} ranks (part `elastic_study`, simulated)",
+        "",
+        f"The study's MNIST model and recipe (batch {cfg['batch_size']} per rank, SGD momentum 0.9, "
+        f"one-cycle to lr {result['baseline_lr']:g}), {len(cfg['elastic_schedule'])} epochs simulated "
+        "(`benchmarks/simulate.py`, `benchmarks/elastic_study.py`) with the world size changing between "
+        "epochs; each run beside its uninterrupted run at the first world size. At a change the parameters "
+        "carry on and new rank r takes old rank r mod W's optimizer and scheduler state; the one-cycle "
+        "schedule spans the steps each run takes. Averaging keeps the lr × 4 it was tuned with at 4 ranks. "
+        f"Final epoch; mean ± standard deviation [min, max] over seeds {seeds}.",
+        "",
+        _table(["run", "ranks per epoch", "val_acc (%)", "val_loss"], _elastic_study_rows(result)),
+        "",
+        "Elastic − uninterrupted, per seed (" + seeds + "): " + "; ".join(_elastic_differences(result)) + ".",
+        "",
+    ]
+
+
+def _elastic_differences(result: dict) -> list[str]:
+    """Per method and seed, elastic minus uninterrupted: final val_acc (points) and val_loss."""
+    runs = {(r["run"], r["seed"]): r for r in result["runs"]}
+    seeds = result["config"]["elastic_seeds"]
+    parts = []
+    for method, label in (("adasum", "Adasum"), ("average", "averaging")):
+        pairs = [(runs[(f"{method}_elastic", s)], runs[(f"{method}_4", s)]) for s in seeds]
+        acc = ", ".join(f"{100 * (e['val_acc'] - u['val_acc']):+.2f}" for e, u in pairs)
+        loss = ", ".join(f"{e['val_loss'] - u['val_loss']:+.4f}" for e, u in pairs)
+        parts.append(f"{label} val_acc {acc} points, val_loss {loss}")
+    return parts
 
 
 def _ddp_study_section(real: dict, target: float) -> list[str]:

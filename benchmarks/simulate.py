@@ -26,6 +26,9 @@ What one simulated step does (``W`` workers, common parameters ``θ``):
   (state shared: identical on every rank in the real job) steps with the learning rate × ``lr_factor``
   (default W, as ``strategy="horovod"``). For SGD with momentum this equals the mean of the local deltas.
 - One worker is plain training (``hvd.DistributedOptimizer`` returns the unwrapped optimizer at size 1).
+- A world that changes between epochs (``num_workers=[4, 2, 4]``, one size per epoch) continues from the
+  same parameters, as an elastic job resumed from its last checkpoint: new worker ``r`` takes old worker
+  ``r mod W_old``'s optimizer, scheduler and buffers, the shards follow the new W, and ``lr_factor`` stays.
 
 Data order matches a real ``horovodrun`` job under :class:`~adasum_lightning.HorovodAdasumStrategy`:
 worker ``w`` reads ``DistributedSampler(train_dataset, num_replicas=W, rank=w, shuffle=shuffle,
@@ -58,10 +61,11 @@ Measured against real ``horovodrun`` jobs (``tests/test_simulate.py``, ``docs/be
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -87,14 +91,15 @@ class SimulationResult:
 
     Attributes:
         method: ``"adasum"`` or ``"average"``.
-        num_workers: simulated world size W.
+        num_workers: simulated world size W (of the first epoch when it changes).
         lr_factor: the factor applied to every learning rate.
         batch_size: per-worker batch (the global batch is ``W × batch_size``).
-        steps_per_epoch: optimizer steps per epoch (``ceil(ceil(len(train)/W) / batch_size)``).
-        history: one dict per evaluated epoch: ``epoch`` (1-based, completed epochs), ``step``
-            (optimizer steps so far), ``train_loss`` (mean over the epoch's worker batches), ``wall_s``
-            (seconds since the start) and the entries of ``eval_fn`` (by default ``val_acc`` as a
-            fraction in [0, 1] and ``val_loss``, mean cross-entropy in nats).
+        steps_per_epoch: optimizer steps per epoch (``ceil(ceil(len(train)/W) / batch_size)``; of the
+            first epoch when W changes).
+        history: one dict per evaluated epoch: ``epoch`` (1-based, completed epochs), ``num_workers``
+            (W of that epoch), ``step`` (optimizer steps so far), ``train_loss`` (mean over the epoch's
+            worker batches), ``wall_s`` (seconds since the start) and the entries of ``eval_fn`` (by
+            default ``val_acc`` as a fraction in [0, 1] and ``val_loss``, mean cross-entropy in nats).
         target: the accuracy target, or None.
         epochs_to_target / steps_to_target: first epoch (and step count) whose ``val_acc`` ≥ target;
             None when not reached within ``max_epochs`` (or when no target/validation set was given).
@@ -185,7 +190,7 @@ def simulate(
     module: pl.LightningModule,
     train_dataset: Dataset,
     *,
-    num_workers: int,
+    num_workers: int | Sequence[int],
     batch_size: int,
     method: Literal["adasum", "average"] = "adasum",
     max_epochs: int = 1,
@@ -204,12 +209,13 @@ def simulate(
     Args:
         module: the LightningModule (its current parameters are the common start, i.e. rank 0's).
         train_dataset: the full training set; each worker reads its ``DistributedSampler`` shard.
-        num_workers: simulated world size W ≥ 1 (a power of 2 for ``"adasum"``, as Horovod's CPU Adasum).
+        num_workers: simulated world size W ≥ 1 (a power of 2 for ``"adasum"``, as Horovod's CPU Adasum),
+            or one W per epoch (``max_epochs`` of them): the world changes between epochs (module docstring).
         batch_size: per-worker batch.
         method: ``"adasum"`` (deltas combined by Adasum) or ``"average"`` (gradients averaged).
         max_epochs: epochs to run at most.
         max_steps: optimizer steps to run at most (None: no limit).
-        lr_factor: learning-rate factor; default 1 for ``"adasum"``, W for ``"average"``.
+        lr_factor: learning-rate factor; default 1 for ``"adasum"``, W (the first epoch's) for ``"average"``.
         sampler_seed: the ``DistributedSampler`` seed (Lightning uses the ``seed_everything`` value).
         shuffle: shuffle the shards each epoch (``set_epoch``), as Lightning does for a shuffling loader.
         val_dataset: evaluated after every epoch with ``eval_fn`` (none when None).
@@ -223,46 +229,59 @@ def simulate(
         a :class:`SimulationResult`; ``module`` holds the final parameters.
 
     Raises:
-        ValueError: unknown ``method``; W < 1, or W not a power of 2 with ``"adasum"``; a module
-            outside the supported set (several optimizers, ReduceLROnPlateau, a non-scalar loss).
+        ValueError: unknown ``method``; W < 1, or W not a power of 2 with ``"adasum"``; a list of W whose
+            length is not ``max_epochs``; a module outside the supported set (several optimizers,
+            ReduceLROnPlateau, a non-scalar loss).
     """
     if method not in ("adasum", "average"):
         raise ValueError(f"method must be 'adasum' or 'average', got {method!r}")
-    if not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-    if method == "adasum" and not is_power_of_two(num_workers):
+    sizes = list(num_workers) if isinstance(num_workers, Sequence) else [num_workers] * max_epochs
+    if len(sizes) != max_epochs:
         raise ValueError(
-            f"Adasum needs a power-of-2 number of workers (as Horovod on CPU), got {num_workers}"
+            f"num_workers gives {len(sizes)} world sizes for max_epochs={max_epochs}: give one per epoch"
         )
+    for size in sizes:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"num_workers must be a positive int, got {size!r}")
+        if method == "adasum" and not is_power_of_two(size):
+            raise ValueError(f"Adasum needs a power-of-2 number of workers (as Horovod on CPU), got {size}")
     if lr_factor is None:
-        lr_factor = 1.0 if method == "adasum" else float(num_workers)
+        lr_factor = 1.0 if method == "adasum" else float(sizes[0])
     eval_fn = eval_fn or evaluate_classifier
 
     module.train()
     params = [p for p in module.parameters() if p.requires_grad]
-    # Like hvd.DistributedOptimizer, one Adasum worker is plain training (no delta arithmetic).
-    use_deltas = method == "adasum" and num_workers > 1
-    n_workers_with_state = num_workers if use_deltas else 1
-    workers = [_Worker(module, lr_factor) for _ in range(n_workers_with_state)]
-    samplers = [
-        DistributedSampler(
-            train_dataset, num_replicas=num_workers, rank=w, shuffle=shuffle, seed=sampler_seed
-        )
-        for w in range(num_workers)
-    ]
-    loaders = [DataLoader(train_dataset, batch_size=batch_size, sampler=s) for s in samplers]
-    per_epoch = len(loaders[0])
-    result = SimulationResult(method, num_workers, float(lr_factor), batch_size, per_epoch, target=target)
-    total = per_epoch * max_epochs if max_steps is None else min(max_steps, per_epoch * max_epochs)
-    bar = tqdm(
-        total=total, disable=not progress, leave=False, desc=f"simulate {method} W={num_workers}", unit="step"
-    )
+    workers: list[_Worker] = []
+    world = 0
+    per_epoch = [steps_per_epoch(len(train_dataset), w, batch_size) for w in sizes]
+    result = SimulationResult(method, sizes[0], float(lr_factor), batch_size, per_epoch[0], target=target)
+    total = sum(per_epoch) if max_steps is None else min(max_steps, sum(per_epoch))
+    desc = f"simulate {method} W={'→'.join(str(w) for w in dict.fromkeys(sizes))}"
+    bar = tqdm(total=total, disable=not progress, leave=False, desc=desc, unit="step")
     start_time = time.perf_counter()
     step = 0
     with warnings.catch_warnings():
         # training_step's self.log() without a Trainer only warns.
         warnings.filterwarnings("ignore", message=".*self.trainer` reference is not registered.*")
         for epoch in range(max_epochs):
+            if sizes[epoch] != world:
+                world = sizes[epoch]
+                # Like hvd.DistributedOptimizer, one Adasum worker is plain training (no delta arithmetic).
+                use_deltas = method == "adasum" and world > 1
+                with_state = world if use_deltas else 1
+                if not workers:
+                    workers = [_Worker(module, lr_factor) for _ in range(with_state)]
+                elif len(workers) != with_state:  # new worker r resumes old worker r mod W_old's state
+                    workers = [
+                        _resumed(module, lr_factor, workers[r % len(workers)]) for r in range(with_state)
+                    ]
+                samplers = [
+                    DistributedSampler(
+                        train_dataset, num_replicas=world, rank=w, shuffle=shuffle, seed=sampler_seed
+                    )
+                    for w in range(world)
+                ]
+                loaders = [DataLoader(train_dataset, batch_size=batch_size, sampler=s) for s in samplers]
             for sampler in samplers:
                 sampler.set_epoch(epoch)
             loss_sum, loss_count = 0.0, 0
@@ -301,7 +320,7 @@ def simulate(
                         )
                         loss_sum += loss.item()
                     for i, p in enumerate(params):
-                        p.grad = _pairwise_sum([g[i] for g in per_worker]).div_(num_workers)
+                        p.grad = _pairwise_sum([g[i] for g in per_worker]).div_(world)
                     worker.optimizer.step()
                 loss_count += len(batches)
                 step += 1
@@ -312,7 +331,12 @@ def simulate(
                     break
             for worker in workers:
                 worker.step_schedulers("epoch", epoch + 1)
-            record = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(loss_count, 1)}
+            record = {
+                "epoch": epoch + 1,
+                "num_workers": world,
+                "step": step,
+                "train_loss": loss_sum / max(loss_count, 1),
+            }
             if val_dataset is not None:
                 record.update(eval_fn(module, val_dataset))
             record["wall_s"] = time.perf_counter() - start_time
@@ -330,6 +354,16 @@ def simulate(
                 break
     bar.close()
     return result
+
+
+def _resumed(module: pl.LightningModule, lr_factor: float, old: _Worker) -> _Worker:
+    """A new worker with ``old``'s optimizer, scheduler and buffer state (a rank resumed from its file)."""
+    worker = _Worker(module, lr_factor)
+    worker.optimizer.load_state_dict(copy.deepcopy(old.optimizer.state_dict()))
+    for mine, theirs in zip(worker.configs, old.configs, strict=True):
+        mine.scheduler.load_state_dict(copy.deepcopy(theirs.scheduler.state_dict()))
+    worker.buffers = {name: b.clone() for name, b in old.buffers.items()}
+    return worker
 
 
 def _pairwise_sum(tensors: list[torch.Tensor]) -> torch.Tensor:

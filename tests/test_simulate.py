@@ -129,6 +129,38 @@ def test_history_target_and_errors():
         simulate(_fresh(), data, num_workers=2, batch_size=BATCH, method="sum", progress=False)
 
 
+def test_a_world_schedule_resumes_each_rank_from_rank_r_mod_w():
+    data = teacher_data()
+    fixed, listed = _fresh(total_steps=128), _fresh(total_steps=128)
+    simulate(fixed, data, num_workers=2, batch_size=BATCH, max_epochs=2, progress=False)
+    simulate(listed, data, num_workers=[2, 2], batch_size=BATCH, max_epochs=2, progress=False)
+    for name, value in fixed.state_dict().items():
+        assert torch.equal(value, listed.state_dict()[name]), name
+    # 4 → 2 → 4: 32 + 64 + 32 steps (1024 samples, batch 8 per rank); averaging keeps the first W's lr × 4.
+    for method, factor in (("adasum", 1.0), ("average", 4.0)):
+        result = simulate(
+            _fresh(total_steps=128), data, num_workers=[4, 2, 4], batch_size=BATCH, method=method,
+            max_epochs=3, val_dataset=data, progress=False,
+        )  # fmt: skip
+        assert [(h["num_workers"], h["step"]) for h in result.history] == [(4, 32), (2, 96), (4, 128)]
+        assert (result.num_workers, result.steps_per_epoch, result.lr_factor) == (4, 32, factor)
+        # The one-cycle schedule carries on across the changes (fresh schedulers would restart it): one step
+        # fewer in it runs out on the last step.
+        with pytest.raises(
+            ValueError, match="Tried to step 128 times. The specified number of total steps is 127"
+        ):
+            simulate(
+                _fresh(total_steps=127), data, num_workers=[4, 2, 4], batch_size=BATCH, method=method,
+                max_epochs=3, progress=False,
+            )  # fmt: skip
+    with pytest.raises(
+        ValueError, match="num_workers gives 2 world sizes for max_epochs=3: give one per epoch"
+    ):
+        simulate(_fresh(), data, num_workers=[4, 2], batch_size=BATCH, max_epochs=3, progress=False)
+    with pytest.raises(ValueError, match="power-of-2 number of workers .* got 3"):
+        simulate(_fresh(), data, num_workers=[4, 3], batch_size=BATCH, max_epochs=2, progress=False)
+
+
 SIM_MATCH = {
     np: case(Launch("horovodrun", np), f"sim-match-{np}", "sim_match", "--strategy", "horovod_adasum",
              "--steps", "300", "--seed", "7")

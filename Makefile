@@ -96,7 +96,7 @@ docs: setup
 	    echo "[docs] built in $$(( $$(date +%s) - start )) s: docs/_build/html/index.html"
 
 # Scaling study + overhead benchmarks -> benchmarks/results/*.json, docs/benchmarks.md (+ PNGs).
-# `bench`: about 65 min on 2 shared cores (docs/benchmarks.md, "Cost of make bench"); `bench-quick`: reduced, under 10 min, into benchmarks/results/quick/.
+# `bench`: about 75 min on 2 shared cores (docs/benchmarks.md, "Cost of make bench"); `bench-quick`: reduced, under 10 min, into benchmarks/results/quick/.
 bench: setup
 	@$(PY) -c "import matplotlib, tqdm" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
 	@mkdir -p runs; start=$$(date +%s); set -o pipefail; $(PY) -m benchmarks 2>&1 | tee runs/bench.log && \

@@ -1,12 +1,9 @@
 """Horovod without Lightning: importing it, the build command when it is missing, and the rules of its launch,
-its Adasum and its optimizer (each a pure function whose error names the fix; ``strategy_name`` and ``api``
-only name the strategy and the Lightning API in it).
+its Adasum and its optimizer.
 
-Imports no Lightning package, so every copy of the strategies imports it as it is. Sources for the rules
-(Horovod 0.28.1): ``horovod/torch/mpi_ops.py`` (CPU Adasum: power-of-2 world size),
-``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum: homogeneous
-power-of-2 nodes), ``horovod/common/operations.cc`` (Adasum for MPI only), ``horovod/torch/optimizer.py`` (the
-local step runs in the backward hook; ``gradient_predivide_factor`` needs op=Average).
+Sources (Horovod 0.28.1): ``torch/mpi_ops.py`` (CPU Adasum: power-of-2 world), ``common/ops/
+adasum_gpu_operations.cc`` (NCCL Adasum: homogeneous power-of-2 nodes), ``common/operations.cc`` (Adasum for
+MPI only), ``torch/optimizer.py`` (the local step runs in the backward hook).
 """
 
 from __future__ import annotations
@@ -54,13 +51,7 @@ HOROVOD_BUILD_PACKAGE = "adasum_lightning.aml.horovod_build"
 def missing_horovod_message(
     what: str, alternative: str = "strategy='ddp_adasum'", python: str | None = None
 ) -> str:
-    """The one message for a missing Horovod: the installed build script's command, or ``alternative``.
-
-    Args:
-        what: what is missing, e.g. ``"horovodrun (Horovod's launcher)"``.
-        alternative: what needs no Horovod.
-        python: the environment's interpreter (default: this one).
-    """
+    """The message for a missing Horovod: the build script's command, or ``alternative``."""
     python = python or sys.executable
     try:
         script = importlib.resources.files(HOROVOD_BUILD_PACKAGE).joinpath("build_horovod.sh")
@@ -74,11 +65,7 @@ def missing_horovod_message(
 
 
 def import_horovod() -> Any:
-    """Import ``horovod.torch`` or raise an ``ImportError`` that names the fix.
-
-    Raises:
-        ImportError: Horovod is missing, or was built without its PyTorch extension.
-    """
+    """Import ``horovod.torch``, or raise an ``ImportError`` that names the build command."""
     try:
         import horovod.torch as hvd
     except ImportError as err:
@@ -87,10 +74,7 @@ def import_horovod() -> Any:
 
 
 def needs_closure(optimizer: Optimizer) -> bool:
-    """True when the optimizer's own ``step`` has a ``closure`` without a default (e.g. LBFGS).
-
-    Horovod's wrapper classes define ``step(closure=None)`` for every optimizer, so the wrapped class decides.
-    """
+    """True when the wrapped optimizer's ``step`` requires a ``closure`` (e.g. LBFGS)."""
     for cls in type(optimizer).__mro__:
         if "step" in vars(cls) and not cls.__module__.startswith("horovod."):
             try:
@@ -112,18 +96,10 @@ def check_launch(
     api: str = "Trainer",
     strategy_name: str = "a Horovod strategy",
 ) -> None:
-    """A Horovod strategy in a process that Horovod sees alone, though more were meant to train together.
-
-    Under ``torchrun``, ``srun`` or plain ``python`` each process is a Horovod world of 1 and trains alone.
-
-    Args:
-        horovod_size: ``hvd.size()``.
-        launcher: :func:`adasum_lightning.launch_environment.detect_launcher` (None for a plain start).
-        requested_devices: the ``devices`` the ``Trainer`` (or ``Fabric``) was given.
+    """A world of 1 under a launcher that started N > 1 processes, or ``devices`` > 1.
 
     Raises:
-        AdasumConfigurationError: a world of 1 while the launcher started N > 1 processes or ``devices`` asks
-            for N > 1; the message names the launcher seen and ``horovodrun -np N``.
+        AdasumConfigurationError: naming the launcher seen and ``horovodrun -np N``.
     """
     if horovod_size != 1:
         return
@@ -148,12 +124,8 @@ def check_launch(
 def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) -> None:
     """Adasum exists for Horovod's MPI controller only.
 
-    Args:
-        mpi_built, mpi_enabled, gloo_enabled: ``hvd.mpi_built()``, ``hvd.mpi_enabled()``,
-            ``hvd.gloo_enabled()``.
-
     Raises:
-        AdasumConfigurationError: Horovod without MPI, or the Gloo controller (``horovodrun --gloo``).
+        AdasumConfigurationError: Horovod without MPI, or the Gloo controller.
     """
     if not mpi_built:
         raise AdasumConfigurationError(
@@ -172,14 +144,10 @@ def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) 
 def check_cpu_operations(
     *, mpi_enabled: bool, cpu_operations: str | None, strategy_name: str = "a Horovod strategy"
 ) -> None:
-    """Gloo CPU operations under the MPI controller crash Horovod (a segfault in a collective).
-
-    Args:
-        mpi_enabled: ``hvd.mpi_enabled()``.
-        cpu_operations: the ``HOROVOD_CPU_OPERATIONS`` environment variable (None when unset).
+    """Gloo CPU operations under the MPI controller crash Horovod in a collective.
 
     Raises:
-        AdasumConfigurationError: MPI controller with ``HOROVOD_CPU_OPERATIONS=gloo``.
+        AdasumConfigurationError: ``HOROVOD_CPU_OPERATIONS=gloo`` under MPI.
     """
     if mpi_enabled and cpu_operations is not None and cpu_operations.strip().lower() == "gloo":
         raise AdasumConfigurationError(
@@ -191,7 +159,7 @@ def check_cpu_operations(
 
 
 def check_world_size(size: int) -> None:
-    """CPU (MPI) Adasum needs a power-of-2 world size; Horovod would fail in the first step otherwise.
+    """CPU (MPI) Adasum needs a power-of-2 world size.
 
     Raises:
         AdasumConfigurationError: naming the nearest valid sizes.
@@ -205,14 +173,10 @@ def check_world_size(size: int) -> None:
 
 
 def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
-    """NCCL GPU Adasum needs a power-of-2 node count and GPUs per node, the same on every node.
-
-    Args:
-        size: world size (processes in the job).
-        local_sizes: every rank's ``hvd.local_size()``, in rank order.
+    """NCCL Adasum needs power-of-2 nodes of the same power-of-2 GPU count (``local_sizes``: per rank).
 
     Returns:
-        A warning text for a single node (Adasum then averages inside the node), else None.
+        A warning for a single node (Adasum then averages inside it), else None.
 
     Raises:
         AdasumConfigurationError: heterogeneous nodes, or a node count or local size not a power of 2.
@@ -246,22 +210,14 @@ def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
 
 
 def check_compression(compression: str) -> str:
-    """``compression`` of a Horovod strategy: ``"none"`` or ``"fp16"`` (Horovod's ``Compression.fp16``).
-
-    Raises:
-        ValueError: any other value.
-    """
+    """Raises ValueError unless ``compression`` is ``"none"`` or ``"fp16"``."""
     if compression not in ("none", "fp16"):
         raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
     return compression
 
 
 def check_gradient_predivide_factor(factor: float) -> None:
-    """``gradient_predivide_factor`` splits an *average*; Adasum has none.
-
-    Raises:
-        AdasumConfigurationError: for any factor other than 1.
-    """
+    """Raises AdasumConfigurationError for a factor other than 1: it splits an average, Adasum has none."""
     if float(factor) != 1.0:
         raise AdasumConfigurationError(
             f"horovod_adasum cannot use gradient_predivide_factor={factor}: it splits gradient averaging and "
@@ -271,11 +227,7 @@ def check_gradient_predivide_factor(factor: float) -> None:
 
 
 def check_no_local_sgd(options: Iterable[str], strategy_name: str) -> None:
-    """The Horovod strategies take none of ``sync_every``, ``combine``, ``outer_optimizer``.
-
-    Raises:
-        AdasumConfigurationError: naming the options given and ``ddp_adasum``, which has them.
-    """
+    """Raises AdasumConfigurationError for local-SGD ``options``: Horovod reduces in every backward."""
     given = sorted(set(options) & {"sync_every", "combine", "outer_optimizer"})
     if given:
         raise AdasumConfigurationError(
@@ -286,14 +238,7 @@ def check_no_local_sgd(options: Iterable[str], strategy_name: str) -> None:
 
 
 def check_precision(precision: str) -> None:
-    """fp16 mixed precision (GradScaler) cannot work with Horovod's Adasum; ``"bf16-mixed"`` works.
-
-    The scaler unscales and skips steps after backward, but the local step already ran inside backward on the
-    scaled gradients: NaN loss (https://github.com/horovod/horovod/issues/3429).
-
-    Raises:
-        AdasumConfigurationError: for ``"16-mixed"`` (Lightning's name for ``precision=16``).
-    """
+    """Raises AdasumConfigurationError for ``"16-mixed"``: its scaler acts after the local step."""
     if str(precision) in ("16-mixed", "16"):
         raise AdasumConfigurationError(
             "horovod_adasum cannot use precision='16-mixed': its gradient scaler unscales gradients and "
@@ -304,13 +249,7 @@ def check_precision(precision: str) -> None:
 
 
 def check_gradient_clipping(value: float | None, algorithm: str | None) -> None:
-    """Norm clipping cannot take effect with Horovod's Adasum; value clipping is applied inside the hook.
-
-    The norm needs every gradient before any update; Adasum updates each parameter as its gradient is ready.
-
-    Raises:
-        AdasumConfigurationError: ``gradient_clip_val`` set with ``gradient_clip_algorithm="norm"``.
-    """
+    """Raises AdasumConfigurationError for norm clipping: the local step runs before the norm is known."""
     if value is None or float(value) <= 0:
         return
     if str(algorithm or "norm").lower() == "norm":
@@ -323,16 +262,7 @@ def check_gradient_clipping(value: float | None, algorithm: str | None) -> None:
 
 
 def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Sequence[str]) -> None:
-    """Horovod's Adasum cannot run an optimizer whose ``step`` requires a closure (e.g. ``LBFGS``).
-
-    Its optimizer runs the wrapped ``step()`` inside each parameter's backward hook, without a closure.
-
-    Args:
-        optimizers_needing_closure: class names of the optimizers whose ``step`` has a required ``closure``.
-
-    Raises:
-        AdasumConfigurationError: naming those optimizers and the strategies that can run them.
-    """
+    """Raises AdasumConfigurationError for optimizers whose ``step`` needs a closure (run in a hook)."""
     if optimizers_needing_closure:
         names = ", ".join(sorted(set(optimizers_needing_closure)))
         raise AdasumConfigurationError(
@@ -344,15 +274,7 @@ def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Seq
 
 
 def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[torch.dtype]) -> None:
-    """Horovod 0.28.1's CPU collectives have no bfloat16: bfloat16 parameters cannot be reduced on CPU.
-
-    Args:
-        device_type: the parameters' device (``"cpu"``, ``"cuda"``); GPUs are not checked.
-        dtypes: the dtypes of the parameters that require a gradient.
-
-    Raises:
-        AdasumConfigurationError: a bfloat16 parameter on CPU (``precision="bf16-true"`` or a bfloat16 model).
-    """
+    """Raises AdasumConfigurationError for bfloat16 parameters on CPU: Horovod's CPU collectives lack it."""
     if device_type == "cpu" and torch.bfloat16 in set(dtypes):
         raise AdasumConfigurationError(
             f"{strategy_name} cannot reduce bfloat16 parameters on CPU (precision='bf16-true' or a bfloat16 "
@@ -364,13 +286,7 @@ def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[
 def check_skipped_backward_passes(
     strategy_name: str, strategy_class: str, skipped: int, backward_passes_per_step: int
 ) -> None:
-    """``fabric.no_backward_sync`` may skip at most ``backward_passes_per_step`` − 1 passes before a step.
-
-    Horovod's hooks cannot be paused: they reduce at the ``backward_passes_per_step``-th pass since a step.
-
-    Raises:
-        AdasumConfigurationError: ``skipped`` ≥ ``backward_passes_per_step``; the message names the setting.
-    """
+    """Raises AdasumConfigurationError when ``skipped`` ≥ ``backward_passes_per_step`` (hooks never pause)."""
     if skipped < backward_passes_per_step:
         return
     passes = "pass" if skipped == 1 else "passes"
@@ -385,11 +301,7 @@ def check_skipped_backward_passes(
 
 
 def clipping_refused(strategy_name: str, algorithm: str, value: float) -> AdasumConfigurationError:
-    """The error for ``fabric.clip_gradients`` under Horovod's Adasum, whose local step ran inside backward.
-
-    Args:
-        algorithm: ``"norm"`` for ``max_norm``, ``"value"`` for ``clip_val``.
-    """
+    """The error for ``fabric.clip_gradients`` under Horovod's Adasum (``algorithm``: "norm" or "value")."""
     if algorithm == "norm":
         what = f"clip gradients by norm (fabric.clip_gradients(max_norm={value}))"
         why = "before the norm over all parameters is known"

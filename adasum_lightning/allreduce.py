@@ -528,11 +528,6 @@ def _fill_rows(
     m: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], parts: list[tuple[int, int, int, int]]
 ) -> None:
     """``m[0]``, ``m[1]`` := one chunk of ``a``, ``b`` (exact in float64)."""
-    if len(parts) == 1:
-        i, at, _, n = parts[0]
-        m[0].copy_(a[i][at : at + n])
-        m[1].copy_(b[i][at : at + n])
-        return
     for i, at, o, n in parts:
         m[0, o : o + n].copy_(a[i][at : at + n])
         m[1, o : o + n].copy_(b[i][at : at + n])

@@ -112,9 +112,8 @@ class AdasumOptimizer(Optimizer):
             )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
-                "AdasumOptimizer needs torch.distributed: call torch.distributed.init_process_group() "
-                "before building it (torchrun sets its variables; backend 'gloo' on CPU, 'nccl' on GPU). For "
-                "a single process, use the optimizer itself."
+                "AdasumOptimizer needs torch.distributed: call torch.distributed.init_process_group() before "
+                "building it, or use the optimizer itself in a single process."
             )
         self.mesh = mesh
         #: With a mesh: this rank's (replicate group, shard group); None otherwise.
@@ -154,10 +153,18 @@ class AdasumOptimizer(Optimizer):
         def local_step() -> Any:
             if found_inf is not None and bool(found_inf.item()):
                 return None  # inf/NaN gradients on this rank: no local update, a zero delta
-            if grad_scale is not None:
-                if getattr(self.optimizer, "_step_supports_amp_scaling", False):
-                    return self._step_with_scale_handed_on(grad_scale, found_inf)  # e.g. fused Adam
-                self._unscale_gradients(grad_scale)
+            if grad_scale is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                # e.g. fused Adam unscales in its own kernel: hand the two attributes on
+                self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
+                try:
+                    return self.optimizer.step()
+                finally:
+                    del self.optimizer.grad_scale, self.optimizer.found_inf
+            if grad_scale is not None:  # as GradScaler: × the float32 reciprocal of the float64 scale
+                inv_scale = grad_scale.double().reciprocal().float()
+                for p in optimizer_parameters(self.optimizer):
+                    if p.grad is not None:
+                        p.grad.mul_(inv_scale.to(p.grad.device))
             if closure is None:
                 return self.optimizer.step()
             with torch.enable_grad():
@@ -209,21 +216,6 @@ class AdasumOptimizer(Optimizer):
         )
         if all(torch.equal(f, gathered[0]) for f in gathered) and first:
             warnings.warn(identical_gradients_message("AdasumOptimizer"), stacklevel=3)
-
-    def _step_with_scale_handed_on(self, grad_scale: torch.Tensor, found_inf: torch.Tensor | None) -> Any:
-        # An optimizer that unscales in its own kernel takes the two attributes as GradScaler gives them.
-        self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
-        try:
-            return self.optimizer.step()
-        finally:
-            del self.optimizer.grad_scale, self.optimizer.found_inf
-
-    def _unscale_gradients(self, grad_scale: torch.Tensor) -> None:
-        # GradScaler's own unscaling multiplies by the float32 reciprocal of the float64 scale.
-        inv_scale = grad_scale.double().reciprocal().float()
-        for p in optimizer_parameters(self.optimizer):
-            if p.grad is not None:
-                p.grad.mul_(inv_scale.to(p.grad.device))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

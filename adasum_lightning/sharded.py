@@ -141,10 +141,7 @@ def full_tensor(t: torch.Tensor, shard_group: dist.ProcessGroup) -> torch.Tensor
     size = world_size(shard_group)
     if size == 1:
         return local.clone()
-    placement = t.placements[0]
-    assert isinstance(placement, Shard), placement
-    dim, n = placement.dim, t.shape[placement.dim]
-    chunk = -(-n // size)
+    dim, n, chunk = _chunking(t, size)
     padded = local.new_zeros((*local.shape[:dim], chunk, *local.shape[dim + 1 :]))
     padded.narrow(dim, 0, local.shape[dim]).copy_(local)
     parts = [torch.empty_like(padded) for _ in range(size)]
@@ -166,13 +163,18 @@ def local_chunk(whole: torch.Tensor, param: torch.Tensor, shard_group: dist.Proc
         )
     if not isinstance(param, DTensor):
         return whole
-    placement = param.placements[0]
-    assert isinstance(placement, Shard), placement
-    dim, n = placement.dim, param.shape[placement.dim]
     size = world_size(shard_group)
-    chunk = -(-n // size)
+    dim, n, chunk = _chunking(param, size)
     start = min(chunk * (dist.get_rank(shard_group) if size > 1 else 0), n)
     return whole.narrow(dim, start, param.to_local().shape[dim])
+
+
+def _chunking(t: DTensor, size: int) -> tuple[int, int, int]:
+    """FSDP2's ``Shard(dim)`` of ``t`` over ``size`` ranks: ``(dim, length, chunk)``, chunks of ``ceil``."""
+    placement = t.placements[0]
+    assert isinstance(placement, Shard), placement
+    n = t.shape[placement.dim]
+    return placement.dim, n, -(-n // size)
 
 
 def shard_module(

@@ -129,15 +129,13 @@ def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) 
     """
     if not mpi_built:
         raise AdasumConfigurationError(
-            "horovod_adasum needs Horovod built with MPI (Adasum exists only for the MPI controller); this "
-            "Horovod has no MPI support. Rebuild it with `make setup` (HOROVOD_WITH_MPI=1), or use "
-            "strategy='horovod' (averaging works with Gloo)."
+            "horovod_adasum needs Horovod built with MPI: rebuild it with `make setup` (HOROVOD_WITH_MPI=1), "
+            "or use strategy='horovod'."
         )
     if gloo_enabled or not mpi_enabled:
         raise AdasumConfigurationError(
-            "horovod_adasum needs the MPI controller, but this job runs under Gloo (horovodrun --gloo), "
-            "where Horovod has no Adasum operation. Launch with `horovodrun --mpi -np N ...` or "
-            "`mpirun -np N ...`, or use strategy='horovod' (averaging works with Gloo)."
+            "horovod_adasum needs the MPI controller, not Gloo: launch `horovodrun --mpi -np N ...` or "
+            "`mpirun -np N ...`, or use strategy='horovod'."
         )
 
 
@@ -151,10 +149,8 @@ def check_cpu_operations(
     """
     if mpi_enabled and cpu_operations is not None and cpu_operations.strip().lower() == "gloo":
         raise AdasumConfigurationError(
-            f"{strategy_name} cannot run with HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (mpirun / "
-            "horovodrun --mpi): Horovod's Gloo collectives crash there (segmentation fault). Unset "
-            "HOROVOD_CPU_OPERATIONS (or set it to mpi), or launch with horovodrun --gloo and "
-            "strategy='horovod'."
+            f"{strategy_name} cannot run with HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (it "
+            "crashes Horovod): unset HOROVOD_CPU_OPERATIONS, or launch horovodrun --gloo, strategy='horovod'."
         )
 
 
@@ -184,9 +180,8 @@ def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
     distinct = sorted(set(local_sizes))
     if len(distinct) != 1:
         raise AdasumConfigurationError(
-            f"horovod_adasum with NCCL needs the same number of processes on every node; found {distinct} "
-            "processes per node. Launch one process per GPU with the same GPU count on every node "
-            "(e.g. horovodrun -H host1:4,host2:4)."
+            f"horovod_adasum with NCCL needs the same number of processes on every node; found {distinct}: "
+            "launch the same GPU count on every node (e.g. horovodrun -H host1:4,host2:4)."
         )
     local = distinct[0]
     if not is_power_of_two(local):
@@ -202,9 +197,8 @@ def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
         )
     if nodes == 1 and local > 1:
         return (
-            f"horovod_adasum with NCCL on a single node: Horovod averages inside a node and applies Adasum "
-            f"only across nodes, so this job averages its {local} GPUs' updates; the learning rate is "
-            f"multiplied by {local} (GPUs per node), as for averaging."
+            f"horovod_adasum with NCCL on a single node averages its {local} GPUs' updates; the learning "
+            f"rate is multiplied by {local}, as for averaging (Horovod applies Adasum only across nodes)."
         )
     return None
 
@@ -220,9 +214,8 @@ def check_gradient_predivide_factor(factor: float) -> None:
     """Raises AdasumConfigurationError for a factor other than 1: it splits an average, Adasum has none."""
     if float(factor) != 1.0:
         raise AdasumConfigurationError(
-            f"horovod_adasum cannot use gradient_predivide_factor={factor}: it splits gradient averaging and "
-            "Adasum does not average (Horovod raises deep inside otherwise). Leave it at 1, or use "
-            "strategy='horovod'."
+            f"horovod_adasum cannot use gradient_predivide_factor={factor} (Adasum does not average): leave "
+            "it at 1, or use strategy='horovod'."
         )
 
 
@@ -241,10 +234,8 @@ def check_precision(precision: str) -> None:
     """Raises AdasumConfigurationError for ``"16-mixed"``: its scaler acts after the local step."""
     if str(precision) in ("16-mixed", "16"):
         raise AdasumConfigurationError(
-            "horovod_adasum cannot use precision='16-mixed': its gradient scaler unscales gradients and "
-            "skips overflowing steps after backward, but Adasum's local step already ran inside backward "
-            "on the scaled gradients (NaN loss, Horovod #3429). Use precision='bf16-mixed', or "
-            "strategy='horovod'."
+            "horovod_adasum cannot use precision='16-mixed': its gradient scaler acts after Adasum's local "
+            "step ran inside backward. Use precision='bf16-mixed', or strategy='horovod'."
         )
 
 
@@ -254,9 +245,8 @@ def check_gradient_clipping(value: float | None, algorithm: str | None) -> None:
         return
     if str(algorithm or "norm").lower() == "norm":
         raise AdasumConfigurationError(
-            f"horovod_adasum cannot clip gradients by norm (gradient_clip_val={value}): Adasum's local step "
-            "updates each parameter inside backward, before the norm over all parameters is known. Use "
-            "gradient_clip_algorithm='value' (applied to each gradient before its local step), or "
+            f"horovod_adasum cannot clip gradients by norm (gradient_clip_val={value}): the local step runs "
+            "in backward, before the norm is known. Use gradient_clip_algorithm='value' or "
             "strategy='horovod'."
         )
 
@@ -266,10 +256,8 @@ def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Seq
     if optimizers_needing_closure:
         names = ", ".join(sorted(set(optimizers_needing_closure)))
         raise AdasumConfigurationError(
-            f"{strategy_name} cannot use {names}: its step() needs a closure (it re-evaluates the loss), but "
-            "Horovod's Adasum optimizer runs the local step inside backward, without one. Use "
-            "strategy='ddp_adasum' (the local step runs after the closure, then the deltas are combined) or "
-            "strategy='horovod' (averaging)."
+            f"{strategy_name} cannot use {names}: its step() needs a closure, and Horovod's Adasum optimizer "
+            "steps inside backward without one. Use strategy='ddp_adasum' or strategy='horovod'."
         )
 
 
@@ -277,9 +265,8 @@ def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[
     """Raises AdasumConfigurationError for bfloat16 parameters on CPU: Horovod's CPU collectives lack it."""
     if device_type == "cpu" and torch.bfloat16 in set(dtypes):
         raise AdasumConfigurationError(
-            f"{strategy_name} cannot reduce bfloat16 parameters on CPU (precision='bf16-true' or a bfloat16 "
-            "model): Horovod 0.28.1's CPU collectives have no bfloat16 type. Use precision='bf16-mixed' "
-            "(float32 weights, bfloat16 compute), or strategy='ddp_adasum', which reduces bfloat16."
+            f"{strategy_name} cannot reduce bfloat16 parameters on CPU (Horovod's CPU collectives lack it): "
+            "use precision='bf16-mixed', or strategy='ddp_adasum'."
         )
 
 
@@ -289,27 +276,17 @@ def check_skipped_backward_passes(
     """Raises AdasumConfigurationError when ``skipped`` ≥ ``backward_passes_per_step`` (hooks never pause)."""
     if skipped < backward_passes_per_step:
         return
-    passes = "pass" if skipped == 1 else "passes"
     raise AdasumConfigurationError(
-        f"{strategy_name} cannot skip the gradient reduction of {skipped} backward {passes} before "
-        "optimizer.step() (fabric.no_backward_sync(model, enabled=True)): Horovod's hooks cannot be paused, "
-        f"they reduce as soon as backward_passes_per_step={backward_passes_per_step} backward pass(es) have "
-        "run since the last step. Give the strategy the number of backward passes per optimizer step, e.g. "
-        f"Fabric(strategy={strategy_class}(backward_passes_per_step={skipped + 1})); a shorter window is "
-        "reduced at optimizer.step()."
+        f"{strategy_name} cannot skip the reduction of {skipped} backward pass(es) (no_backward_sync): "
+        f"Horovod's hooks reduce after backward_passes_per_step={backward_passes_per_step}. Pass "
+        f"Fabric(strategy={strategy_class}(backward_passes_per_step={skipped + 1}))."
     )
 
 
 def clipping_refused(strategy_name: str, algorithm: str, value: float) -> AdasumConfigurationError:
     """The error for ``fabric.clip_gradients`` under Horovod's Adasum (``algorithm``: "norm" or "value")."""
-    if algorithm == "norm":
-        what = f"clip gradients by norm (fabric.clip_gradients(max_norm={value}))"
-        why = "before the norm over all parameters is known"
-    else:
-        what = f"clip gradients by value (fabric.clip_gradients(clip_val={value}))"
-        why = "so clipping afterwards would change nothing"
+    what = f"by norm (max_norm={value})" if algorithm == "norm" else f"by value (clip_val={value})"
     return AdasumConfigurationError(
-        f"{strategy_name} cannot {what}: Horovod's Adasum optimizer takes each parameter's local step "
-        f"inside fabric.backward, {why}. Use Fabric(strategy='ddp_adasum') (its local step runs in "
-        "optimizer.step(), after clipping), or strategy='horovod'."
+        f"{strategy_name} cannot clip gradients {what}: Horovod's Adasum optimizer steps inside "
+        "fabric.backward, before clipping. Use Fabric(strategy='ddp_adasum'), or strategy='horovod'."
     )

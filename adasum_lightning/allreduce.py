@@ -479,38 +479,30 @@ def _segment_counts(offsets: list[int], lo: int, n: int) -> list[int]:
 def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list[int]]]:
     """Work chunks ``(start, stop, tensor_ids, lengths)`` over tensors of ``counts`` elements: a part of one
     large tensor, or a run of small ones of at most ``min(chunk, 2**18)`` elements."""
-    run_limit = min(chunk, 1 << 18)
-    chunks = []
-    start = 0
-    run_ids: list[int] = []
-    run_lengths: list[int] = []
-    run_start = 0
+    chunks: list[tuple[int, int, list[int], list[int]]] = []
+    run: list[tuple[int, int]] = []  # (tensor index, length) of the small tensors since the last chunk
+    start = run_n = 0
 
     def flush() -> None:
-        if run_ids:
-            chunks.append((run_start, start, list(run_ids), list(run_lengths)))
-            run_ids.clear()
-            run_lengths.clear()
+        if run:
+            chunks.append((start - run_n, start, [i for i, _ in run], [n for _, n in run]))
+            run.clear()
 
     for i, c in enumerate(counts):
-        if c == 0:
-            continue
         if c >= SMALL_TENSOR:
             flush()
-            for s in range(start, start + c, chunk):
-                e = min(s + chunk, start + c)
-                chunks.append((s, e, [i], [e - s]))
-            start += c
-            run_start = start
-        else:
-            if not run_ids:
-                run_start = start
-            run_ids.append(i)
-            run_lengths.append(c)
-            start += c
-            if start - run_start >= run_limit:
-                flush()
-                run_start = start
+            run_n = 0
+            chunks += [
+                (s, min(s + chunk, start + c), [i], [min(chunk, start + c - s)])
+                for s in range(start, start + c, chunk)
+            ]
+        elif c:
+            run.append((i, c))
+            run_n += c
+        start += c
+        if run_n >= min(chunk, 1 << 18):
+            flush()
+            run_n = 0
     flush()
     return chunks
 

@@ -107,10 +107,7 @@ def check_launcher_world_size(
     strategy_name: str = "ddp_adasum",
 ) -> None:
     """The launcher's processes are ``devices × num_nodes`` (Lightning's generic environment does not check).
-
-    Raises:
-        AdasumConfigurationError: naming both counts.
-    """
+    Raises ``AdasumConfigurationError``: naming both counts."""
     if launcher_world_size != devices * num_nodes:
         raise AdasumConfigurationError(
             f"{strategy_name}: the launcher started {launcher_world_size} processes "

@@ -50,11 +50,8 @@ def check_sync_every(
     outer_optimizer: bool = False,
     overlap_sync: bool = False,
 ) -> None:
-    """Check the local-SGD options and how they go with ``overlap_backward`` and ``overlap_sync``.
-
-    Raises:
-        AdasumConfigurationError: the value that is off and the accepted ones.
-    """
+    """Check the local-SGD options and how they go with ``overlap_backward`` and ``overlap_sync``. Raises
+    ``AdasumConfigurationError``: the value that is off and the accepted ones."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
         raise AdasumConfigurationError(
             f"{owner}'s sync_every is the number of local optimizer steps between syncs, a whole number ≥ 1 "
@@ -94,10 +91,8 @@ _OUTER_OPTIMIZER_FORMS = {
 
 def check_outer_optimizer_form(owner: str, outer: object, builder: bool) -> None:
     """``outer`` is None, a callable building the optimizer (``builder``: the strategies) or an optimizer.
-
-    Raises:
-        AdasumConfigurationError: the other form, or a class (it would step with its default learning rate).
-    """
+    Raises ``AdasumConfigurationError``: the other form, or a class (it would step with its default learning
+    rate)."""
     if outer is None:
         return
     if isinstance(outer, type) and issubclass(outer, torch.optim.Optimizer):
@@ -119,10 +114,7 @@ def check_outer_optimizer_form(owner: str, outer: object, builder: bool) -> None
 
 def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int], builder: bool) -> None:
     """The outer optimizer steps exactly the inner optimizer's parameters (``inner``, ``outer``: their ids).
-
-    Raises:
-        AdasumConfigurationError: naming how many parameters differ.
-    """
+    Raises ``AdasumConfigurationError``: naming how many parameters differ."""
     missing, extra = len(set(inner) - set(outer)), len(set(outer) - set(inner))
     if missing or extra:
         raise AdasumConfigurationError(
@@ -207,11 +199,8 @@ class PeriodicSync:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """End the window now: combine the pseudo-gradients and set every rank's parameters to θ_sync.
-
-        Raises:
-            RuntimeError: from ``torch.distributed``, also what the exchange in flight raised.
-        """
+        """End the window now: combine the pseudo-gradients and set every rank's parameters to θ_sync. Raises
+        ``RuntimeError``: from ``torch.distributed``, also what the exchange in flight raised."""
         if self.overlap_sync:
             return self._end_overlapped(flush=True)
         if self.every_step or self.steps == 0:
@@ -384,11 +373,8 @@ def periodic_sync(
     timeout: timedelta | None,
     overlap_group: dist.ProcessGroup | None,
 ) -> PeriodicSync:
-    """``optimizer``'s windows under ``strategy``'s local-SGD options, restored from ``restored``.
-
-    Raises:
-        AdasumConfigurationError: on every rank, an outer optimizer over other parameters.
-    """
+    """``optimizer``'s windows under ``strategy``'s local-SGD options, restored from ``restored``. Raises
+    ``AdasumConfigurationError``: on every rank, an outer optimizer over other parameters."""
     params = optimizer_parameters(optimizer)
     outer = None
     if strategy.outer_optimizer is not None:

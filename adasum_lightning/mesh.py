@@ -39,11 +39,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_shard_size(world_size: int, shard_size: object, owner: str = "fsdp_adasum") -> None:
-    """``shard_size`` (the ranks of one replica group) is a whole number ≥ 1 dividing ``world_size``.
-
-    Raises:
-        AdasumConfigurationError: naming the shard sizes this world size allows.
-    """
+    """``shard_size`` (the ranks of one replica group) is a whole number ≥ 1 dividing ``world_size``. Raises
+    ``AdasumConfigurationError``: naming the shard sizes this world size allows."""
     allowed = ", ".join(str(d) for d in _divisors(max(world_size, 1)))
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise AdasumConfigurationError(
@@ -59,11 +56,8 @@ def check_shard_size(world_size: int, shard_size: object, owner: str = "fsdp_ada
 
 
 def check_adasum_mesh(ndim: int, dim_names: Sequence[str] | None, owner: str = "AdasumOptimizer") -> None:
-    """The mesh is 2-D with the dimensions :data:`ADASUM_MESH_DIMS`.
-
-    Raises:
-        AdasumConfigurationError: naming the mesh given and how to build the right one.
-    """
+    """The mesh is 2-D with the dimensions :data:`ADASUM_MESH_DIMS`. Raises ``AdasumConfigurationError``:
+    naming the mesh given and how to build the right one."""
     names = tuple(dim_names) if dim_names is not None else None
     if ndim != 2 or names != ADASUM_MESH_DIMS:
         raise AdasumConfigurationError(
@@ -78,11 +72,8 @@ def check_adasum_mesh(ndim: int, dim_names: Sequence[str] | None, owner: str = "
 def check_mesh_options(
     owner: str, sync_every: int, combine: str, outer_optimizer: bool, process_group: bool = False
 ) -> None:
-    """With a mesh, no ``process_group`` besides and every step combined by Adasum (no local SGD yet).
-
-    Raises:
-        AdasumConfigurationError: naming the option to drop.
-    """
+    """With a mesh, no ``process_group`` besides and every step combined by Adasum (no local SGD yet). Raises
+    ``AdasumConfigurationError``: naming the option to drop."""
     if process_group:
         raise AdasumConfigurationError(
             f"{owner}: pass either process_group (every rank a replica) or mesh (replica groups of "
@@ -106,12 +97,8 @@ def check_mesh_options(
 def replica_groups(
     mesh: DeviceMesh, owner: str = "AdasumOptimizer"
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's ``(replicate_group, shard_group)`` of ``mesh``.
-
-    Raises:
-        AdasumConfigurationError: the mesh is not 2-D ``("replicate", "shard")``.
-        TypeError: ``mesh`` is not a ``DeviceMesh``.
-    """
+    """This rank's ``(replicate_group, shard_group)`` of ``mesh``. Raises ``AdasumConfigurationError``: the
+    mesh is not 2-D ``("replicate", "shard")``. TypeError: ``mesh`` is not a ``DeviceMesh``."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"{owner}'s mesh is a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: build "

@@ -61,10 +61,7 @@ T = TypeVar("T")
 
 def check_sharded_parameters(owner: str, shard_size: int, unsharded: Sequence[str]) -> None:
     """Refuse the parameters described in ``unsharded`` (not FSDP2 ``Shard`` DTensors on ``mesh["shard"]``).
-
-    Raises:
-        AdasumConfigurationError: naming up to three of them and the fix.
-    """
+    Raises ``AdasumConfigurationError``: naming up to three of them and the fix."""
     if not unsharded:
         return
     shown = "; ".join(unsharded[:3]) + (f"; and {len(unsharded) - 3} more" if len(unsharded) > 3 else "")
@@ -80,11 +77,8 @@ def check_optimizer_of_sharded_module(
     strategy_name: str, stale: int, total: int, has_state: bool = False
 ) -> None:
     """Refuse an optimizer holding ``stale`` of its ``total`` parameters from before ``fully_shard`` replaced
-    them, or (``has_state``) one that stepped before (it cannot be rebound).
-
-    Raises:
-        AdasumConfigurationError: naming the order of calls that works.
-    """
+    them, or (``has_state``) one that stepped before (it cannot be rebound). Raises
+    ``AdasumConfigurationError``: naming the order of calls that works."""
     if not stale and not has_state:
         return
     what = (
@@ -104,11 +98,8 @@ def check_optimizer_of_sharded_module(
 def local_shards(
     params: Sequence[torch.Tensor], shard_group: dist.ProcessGroup, owner: str = "sharded_adasum_step"
 ) -> list[torch.Tensor]:
-    """Each parameter's local shard (``to_local()``: a view of its storage); a plain tensor itself.
-
-    Raises:
-        AdasumConfigurationError: with a shard group of several ranks, a parameter not sharded over it.
-    """
+    """Each parameter's local shard (``to_local()``: a view of its storage); a plain tensor itself. Raises
+    ``AdasumConfigurationError``: with a shard group of several ranks, a parameter not sharded over it."""
     size = world_size(shard_group)
     ranks = dist.get_process_group_ranks(shard_group) if size > 1 else []
     out, unsharded = [], []
@@ -151,11 +142,8 @@ def full_tensor(t: torch.Tensor, shard_group: dist.ProcessGroup) -> torch.Tensor
 
 def local_chunk(whole: torch.Tensor, param: torch.Tensor, shard_group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's chunk of ``whole`` as FSDP2 cuts ``param`` (``ceil(n / S)`` along the ``Shard`` dim), a
-    view; ``whole`` itself for a plain ``param``.
-
-    Raises:
-        ValueError: ``whole`` does not have ``param``'s global shape.
-    """
+    view; ``whole`` itself for a plain ``param``. Raises ``ValueError``: ``whole`` does not have ``param``'s
+    global shape."""
     if tuple(whole.shape) != tuple(param.shape):
         raise ValueError(
             f"a saved tensor of shape {tuple(whole.shape)} cannot fill a parameter of shape "
@@ -210,11 +198,8 @@ def load_full_state_dict(
     module: Module, state_dict: Mapping[str, Any], shard_group: dist.ProcessGroup, strict: bool = True
 ) -> tuple[list[str], list[str]]:
     """Fill a sharded module from whole tensors, each rank its own chunk; returns ``(missing, unexpected)``.
-
-    Raises:
-        RuntimeError: with ``strict``, keys missing or unexpected (as ``Module.load_state_dict``).
-        ValueError: a saved tensor of another shape.
-    """
+    Raises ``RuntimeError``: with ``strict``, keys missing or unexpected (as ``Module.load_state_dict``).
+    ValueError: a saved tensor of another shape."""
     own = module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]

@@ -69,11 +69,8 @@ WIRE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.flo
 
 
 def check_wire_compression(compression: object, owner: str) -> torch.dtype | None:
-    """The wire dtype of ``compression`` (None, ``"bf16"`` or ``"fp16"``).
-
-    Raises:
-        AdasumConfigurationError: any other value.
-    """
+    """The wire dtype of ``compression`` (None, ``"bf16"`` or ``"fp16"``). Raises
+    ``AdasumConfigurationError``: any other value."""
     if compression not in (None, *WIRE_DTYPES):
         raise AdasumConfigurationError(
             f"{owner}'s compression is None (off), 'bf16' or 'fp16' (every piece the combination sends "
@@ -234,10 +231,8 @@ class BackwardAdasumStep:
 
     def finish(self) -> None:
         """Step the buckets backward left incomplete, then wait until every bucket is reduced and written.
-
-        Raises:
-            RuntimeError: from ``torch.distributed`` in the worker; or the trainable parameters changed.
-        """
+        Raises ``RuntimeError``: from ``torch.distributed`` in the worker; or the trainable parameters
+        changed."""
         for bucket in self.buckets:
             if bucket.arrived < len(bucket.params):
                 self._step(bucket)

@@ -96,11 +96,8 @@ def check_launch(
     api: str = "Trainer",
     strategy_name: str = "a Horovod strategy",
 ) -> None:
-    """A world of 1 under a launcher that started N > 1 processes, or ``devices`` > 1.
-
-    Raises:
-        AdasumConfigurationError: naming the launcher seen and ``horovodrun -np N``.
-    """
+    """A world of 1 under a launcher that started N > 1 processes, or ``devices`` > 1. Raises
+    ``AdasumConfigurationError``: naming the launcher seen and ``horovodrun -np N``."""
     if horovod_size != 1:
         return
     if launcher is not None and launcher.processes > 1:
@@ -122,11 +119,8 @@ def check_launch(
 
 
 def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) -> None:
-    """Adasum exists for Horovod's MPI controller only.
-
-    Raises:
-        AdasumConfigurationError: Horovod without MPI, or the Gloo controller.
-    """
+    """Adasum exists for Horovod's MPI controller only. Raises ``AdasumConfigurationError``: Horovod without
+    MPI, or the Gloo controller."""
     if not mpi_built:
         raise AdasumConfigurationError(
             "horovod_adasum needs Horovod built with MPI: rebuild it with `make setup` (HOROVOD_WITH_MPI=1), "
@@ -142,11 +136,8 @@ def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) 
 def check_cpu_operations(
     *, mpi_enabled: bool, cpu_operations: str | None, strategy_name: str = "a Horovod strategy"
 ) -> None:
-    """Gloo CPU operations under the MPI controller crash Horovod in a collective.
-
-    Raises:
-        AdasumConfigurationError: ``HOROVOD_CPU_OPERATIONS=gloo`` under MPI.
-    """
+    """Gloo CPU operations under the MPI controller crash Horovod in a collective. Raises
+    ``AdasumConfigurationError``: ``HOROVOD_CPU_OPERATIONS=gloo`` under MPI."""
     if mpi_enabled and cpu_operations is not None and cpu_operations.strip().lower() == "gloo":
         raise AdasumConfigurationError(
             f"{strategy_name} cannot run with HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (it "
@@ -155,11 +146,8 @@ def check_cpu_operations(
 
 
 def check_world_size(size: int) -> None:
-    """CPU (MPI) Adasum needs a power-of-2 world size.
-
-    Raises:
-        AdasumConfigurationError: naming the nearest valid sizes.
-    """
+    """CPU (MPI) Adasum needs a power-of-2 world size. Raises ``AdasumConfigurationError``: naming the nearest
+    valid sizes."""
     if not is_power_of_two(size):
         raise AdasumConfigurationError(
             f"horovod_adasum needs a world size that is a power of 2 (1, 2, 4, 8, …) for Adasum over MPI; "

@@ -1,11 +1,9 @@
 """adasum-lightning: Adasum (adaptive summation) as PyTorch Lightning 2.x strategies.
 
-``import adasum_lightning`` registers four strategy names with the Trainer's and Fabric's registries of each
-Lightning package once it is imported: ``"horovod_adasum"`` (:class:`HorovodAdasumStrategy`), ``"horovod"``
-(:class:`HorovodStrategy`, gradient averaging), ``"ddp_adasum"`` (:class:`DDPAdasumStrategy`, no Horovod) and
-``"fsdp_adasum"`` (:class:`FSDPAdasumStrategy`, FSDP2 inside replica groups). A bare ``adasum_lightning.X``
-is the class for the Lightning package this process imported (:mod:`adasum_lightning._namespaces`). Importing
-this package imports neither Lightning nor Horovod.
+``import adasum_lightning`` registers ``"horovod_adasum"``, ``"horovod"``, ``"ddp_adasum"`` and
+``"fsdp_adasum"`` with the Trainer's and Fabric's registries of each Lightning package once it is imported;
+a bare ``adasum_lightning.X`` is the class for the package this process imported. Importing this package
+imports neither Lightning nor Horovod.
 """
 
 from __future__ import annotations

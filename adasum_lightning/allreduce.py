@@ -1,11 +1,9 @@
 """Adasum allreduce on ``torch.distributed`` point-to-point operations (no Horovod, no Lightning).
 
-Horovod 0.28.1's MPI Adasum (``horovod/common/ops/adasum/adasum.h``, ``adasum_mpi.cc``) per flat bucket of one
-dtype and device: ranks ``P … N-1`` (``P`` the largest power of 2 ≤ ``N``) fold into ``r - P``, then vector
-halving / distance doubling (a binomial tree up to :data:`TREE_MAX_BYTES`) over ranks ``0 … P-1``, then the
-result goes back. Coefficients (Maleki et al., MLSys 2021): ``cL = 1 - (L·R) / ‖L‖² · 0.5``,
-``cR = 1 - (L·R) / ‖R‖² · 0.5`` in float64 (1 below :data:`~adasum_lightning.reference.ADASUM_NORM_EPS`),
-the combination rounded once to the dtype. Algorithm and tuning: docs/adasum_allreduce.md.
+Horovod 0.28.1's MPI Adasum (``horovod/common/ops/adasum/adasum.h``) per flat bucket of one dtype and device:
+the ranks above the largest power of 2 fold in, then vector halving / distance doubling (a binomial tree up to
+:data:`TREE_MAX_BYTES`), coefficients ``1 - (L·R) / ‖L‖² · 0.5`` in float64, the combination rounded once.
+Algorithm and tuning: docs/adasum_allreduce.md.
 """
 
 from __future__ import annotations
@@ -51,18 +49,14 @@ def adasum_allreduce(
 ) -> list[torch.Tensor]:
     """Adasum allreduce of ``tensors`` across the ranks of ``group``, in place; the same bits on every rank.
 
-    The order is :func:`adasum_lightning.reference.adasum_reduce`'s, one coefficient pair per tensor. Buffers
-    are kept per thread (:func:`release_workspace` frees them).
+    The order is :func:`adasum_lightning.reference.adasum_reduce`'s, one coefficient pair per tensor; returns
+    ``tensors`` as a list. Buffers are kept per thread (:func:`release_workspace` frees them).
 
     Args:
         tensors: float16, bfloat16, float32 or float64 tensors, the same shapes and order on every rank.
         group: the process group (default: the default group); a non-member does nothing.
-        timeout: how long one Gloo exchange waits for its peer (default: torch's 30 minutes); NCCL's
-            watchdog applies the group's own.
+        timeout: how long one Gloo exchange waits for its peer (default: torch's 30 minutes).
         wire_dtype: None, or the dtype every sent piece is rounded to.
-
-    Returns:
-        ``tensors`` as a list, reduced in place.
 
     Raises:
         TypeError: an element is not a tensor of a supported dtype.
@@ -317,8 +311,7 @@ def _reduce_flat(
     p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
     total = flat.numel()
     if not is_power_of_two(size) and flat.device.type != "cpu":
-        # NCCL: a batch_isend_irecv that is the group's first collective needs every rank (torch docs);
-        # the fold below involves only some. A tiny all-rank collective first makes that safe.
+        # NCCL: a group's first collective, if a batch_isend_irecv, needs every rank (torch docs)
         dist.all_reduce(torch.zeros(1, device=flat.device), group=comm.group)
     if rank >= p:  # extra rank: hand the data to rank - p, get the result back
         comm.exchange(rank - p, flat, None)
@@ -415,8 +408,7 @@ def _halving_doubling(
             _scaled_add([a], [b], [a], plan, pieces, _coefficients(stats, left), done=back.written)
             back.wait()
         lo, n = keep_lo, keep_n
-    # Distance halving: swap the reduced segments back (history[i] is the level of distance 2**i; the last
-    # level's swap is done above).
+    # Distance halving: swap the reduced segments back (the last level's swap is done above).
     for i in reversed(range(len(history) - 1)):
         keep_lo, keep_n, give_lo, give_n = history[i]
         comm.exchange(rank ^ (1 << i), flat[keep_lo : keep_lo + keep_n], flat[give_lo : give_lo + give_n])

@@ -1,9 +1,7 @@
 """Communicate every H steps: local SGD and DiLoCo's outer step, the ranks' updates combined by Adasum.
 
-Every rank takes ``sync_every`` (H) local steps from θ_sync, then the pseudo-gradients Δ_r = θ_r − θ_sync are
-combined (Adasum per tensor, or the mean) and every rank sets θ_sync ← θ_sync + combined Δ, or lets an outer
-optimizer step θ_sync with −(combined Δ) as its gradient (DiLoCo: Douillard et al., 2023,
-https://arxiv.org/abs/2311.08105). docs/local_sgd.md.
+The pseudo-gradients Δ_r = θ_r − θ_sync of ``sync_every`` local steps are combined (Adasum or mean) and added
+to θ_sync, or stepped by an outer optimizer (DiLoCo: Douillard et al., 2023). docs/local_sgd.md.
 """
 
 from __future__ import annotations

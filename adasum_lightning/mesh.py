@@ -1,7 +1,5 @@
-"""The 2-D device mesh ``replicate × shard`` of Adasum across replica groups, FSDP2 inside each.
-
-``R`` replica groups of ``S`` ranks, row-major (ranks ``0 … S−1`` are group 0): FSDP2 shards over
-``mesh["shard"]`` (:mod:`adasum_lightning.sharded`), Adasum combines over ``mesh["replicate"]``.
+"""The 2-D device mesh ``replicate × shard``: FSDP2 shards over ``mesh["shard"]``, Adasum combines over
+``mesh["replicate"]``; ranks ``0 … S−1`` are replica group 0.
 """
 
 from __future__ import annotations
@@ -76,9 +74,7 @@ def check_mesh_options(
     ``AdasumConfigurationError``: naming the option to drop."""
     if process_group:
         raise AdasumConfigurationError(
-            f"{owner}: pass either process_group (every rank a replica) or mesh (replica groups of "
-            "FSDP2-sharded ranks), not both: the mesh's 'replicate' dimension is the group Adasum combines "
-            "over."
+            f"{owner}: pass either process_group (every rank a replica) or mesh (replica groups), not both."
         )
     given = [
         *([f"sync_every={sync_every}"] if sync_every != 1 else []),
@@ -101,9 +97,8 @@ def replica_groups(
     mesh is not 2-D ``("replicate", "shard")``. TypeError: ``mesh`` is not a ``DeviceMesh``."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
-            f"{owner}'s mesh is a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: build "
-            "it with init_device_mesh(device_type, (replica_groups, shard_size), "
-            "mesh_dim_names=('replicate', 'shard'))."
+            f"{owner}'s mesh is a DeviceMesh, got {type(mesh).__name__}: build it with "
+            "init_device_mesh(device_type, (groups, shard_size), mesh_dim_names=('replicate', 'shard'))."
         )
     check_adasum_mesh(mesh.ndim, mesh.mesh_dim_names, owner)
     return mesh.get_group("replicate"), mesh.get_group("shard")

@@ -91,15 +91,9 @@ class AdasumOptimizer(Optimizer):
                 "optimizer first, e.g. AdasumOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))."
             )
         if isinstance(optimizer, AdasumOptimizer):
-            raise TypeError(
-                "this optimizer is already an AdasumOptimizer: wrap the torch.optim optimizer once (a second "
-                "wrapper would reduce every update twice)."
-            )
+            raise TypeError("already an AdasumOptimizer: wrap the torch.optim optimizer once.")
         if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(
-                f"timeout is a datetime.timedelta, e.g. timedelta(minutes=5); got {timeout!r} "
-                f"({type(timeout).__name__})"
-            )
+            raise TypeError(f"timeout is a datetime.timedelta, e.g. timedelta(minutes=5); got {timeout!r}")
         check_sync_every(sync_every, combine, "AdasumOptimizer", overlap_sync=overlap_sync)
         self.wire_dtype = check_wire_compression(compression, "AdasumOptimizer")
         check_outer_optimizer_form("AdasumOptimizer", outer_optimizer, builder=False)
@@ -127,8 +121,7 @@ class AdasumOptimizer(Optimizer):
         self.optimizer = optimizer
         self.process_group = process_group
         self.timeout = timeout
-        # Optimizer.__init__ gives the wrapper its step hooks and profiling; then the wrapper shares the
-        # wrapped optimizer's param_groups list and state (add_param_group below tells the two phases apart).
+        # Optimizer.__init__ gives the wrapper its step hooks; then it shares the wrapped groups and state.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._share_wrapped_state()
         self._broadcast(optimizer_parameters(optimizer))
@@ -231,7 +224,6 @@ class AdasumOptimizer(Optimizer):
         self._periodic = self._periodic_sync()
 
     def _broadcast(self, params: list[torch.Tensor]) -> None:
-        # every rank (with a mesh: every replica group) takes the first one's values
         if self.replica_groups is None:
             broadcast_from_rank_zero(params, self.process_group)
         else:

@@ -54,13 +54,10 @@ def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def adasum_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Adasum over the ranks' ``tensors`` in the allreduce's order.
+    """Adasum over the ranks' ``tensors`` in the allreduce's order; ValueError for none.
 
     Neighbours first (``adasum(adasum(x0, x1), adasum(x2, x3))``); with ``P`` the largest power of 2 ≤ ``N``,
     ``x[r]`` for ``r ≥ P`` is first folded into ``x[r - P]`` (three give ``adasum(adasum(x0, x2), x1)``).
-
-    Raises:
-        ValueError: no tensor is given (or from :func:`adasum`).
     """
     items = list(tensors)
     if not items:

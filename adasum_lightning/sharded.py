@@ -1,13 +1,9 @@
 """Adasum across replica groups, FSDP2 sharding inside each group (``torch`` only).
 
-The world is a 2-D mesh ``replicate × shard`` (:mod:`adasum_lightning.mesh`). Inside a replica group FSDP2
-works as usual (``fully_shard`` on ``mesh["shard"]``) and each rank steps its own shard. Across the groups the
-deltas ``θ_after − θ_before`` of the local step are combined by Adasum per whole parameter, the dot products
-and squared norms summed in float64 over the shard group: Horovod 0.28.1's hierarchical Adasum
-(``adasum_gpu_operations.cc``) with a replica group in place of a node. The pairing over replica indices is
-:func:`adasum_lightning.allreduce.adasum_allreduce`'s; rank ``(q, j)`` exchanges whole local shards with rank
-``(q', j)``, and both partners compute from the same operands in the same order, so the replicas stay bitwise
-identical.
+Horovod 0.28.1's hierarchical Adasum (``adasum_gpu_operations.cc``) with a replica group of the 2-D mesh
+(:mod:`adasum_lightning.mesh`) in place of a node: FSDP2 steps each group's shards, then the groups' deltas
+are combined per whole parameter (statistics summed in float64 over the shard group) in
+:func:`~adasum_lightning.adasum_allreduce`'s pairing; both partners compute the same bits.
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ from adasum_lightning.allreduce import (
     Pieces,
     _check_tensor,
     _coefficients,
+    _Comm,
     _communicator,
     _local_grams,
     _plan,
@@ -260,13 +257,9 @@ def sharded_adasum_step(
 
     θ_before is kept as one flat shard-sized buffer per dtype and device; the partner's deltas are received
     into the sharded gradients (a scratch buffer for parameters without a usable one), so **after the step
-    the gradients of ``params`` are None**. With one replica group: ``local_step()`` alone. ``wire_dtype``:
-    as for :func:`adasum_lightning.allreduce.adasum_allreduce_flat`.
-
-    Raises:
-        AdasumConfigurationError: a parameter is not sharded over ``shard_group``.
-        TypeError: a parameter's dtype is not one the reduction supports.
-        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
+    the gradients of ``params`` are None**. With one replica group: ``local_step()`` alone. ``wire_dtype``
+    and the errors raised: as for :func:`~adasum_lightning.adasum_allreduce`; AdasumConfigurationError for a
+    parameter not sharded over ``shard_group``.
     """
     if world_size(replicate_group) == 1:
         return local_step()
@@ -284,12 +277,13 @@ def sharded_adasum_step(
     with torch.no_grad():
         shards = local_shards(params, shard_group)  # the same views, looked up again after the step
         receive = _gradient_buffers(params, shards)
+        comm = _communicator(replicate_group, timeout)
         by_key: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, t in enumerate(shards):
             by_key.setdefault((t.dtype, t.device), []).append(i)
         for key, ids in by_key.items():
             bucket, grads = [shards[i] for i in ids], [receive[i] for i in ids]
-            _step_bucket(bucket, grads, befores[key], replicate_group, shard_group, timeout, wire_dtype)
+            _step_bucket(bucket, grads, befores[key], comm, shard_group, wire_dtype)
         for p in params:
             p.grad = None  # the partner's deltas are in them now: released, as zero_grad(set_to_none=True)
     return output
@@ -336,9 +330,8 @@ def _step_bucket(
     shards: list[torch.Tensor],
     grads: list[torch.Tensor | None],
     before: torch.Tensor,
-    replicate_group: dist.ProcessGroup,
+    comm: _Comm,
     shard_group: dist.ProcessGroup,
-    timeout: timedelta | None,
     wire_dtype: torch.dtype | None = None,
 ) -> None:
     """One dtype and device after the local step: shards become deltas in place (non-contiguous ones in
@@ -367,15 +360,13 @@ def _step_bucket(
             recv.append(scratch[used : used + n])
             used += n
     if wire_dtype in (None, before.dtype):
-        _reduce_lists(own, recv, counts, before.device, replicate_group, shard_group, timeout)
+        _reduce_lists(own, recv, counts, comm, shard_group)
     else:
         wire = workspace(sum(counts), wire_dtype, before.device, slot="wire")
         wire_recv = workspace(sum(counts), wire_dtype, before.device, slot="wire-recv")
         torch.cat(own, out=wire)
         wired = list(wire.split(counts))
-        _reduce_lists(
-            wired, list(wire_recv.split(counts)), counts, before.device, replicate_group, shard_group, timeout
-        )
+        _reduce_lists(wired, list(wire_recv.split(counts)), counts, comm, shard_group)
         for o, w in zip(own, wired, strict=True):
             o.copy_(w)
     offset = 0
@@ -390,21 +381,17 @@ def _reduce_lists(
     own: list[torch.Tensor],
     recv: list[torch.Tensor],
     counts: list[int],
-    device: torch.device,
-    replicate_group: dist.ProcessGroup,
+    comm: _Comm,
     shard_group: dist.ProcessGroup,
-    timeout: timedelta | None,
 ) -> None:
-    """Adasum over the replica groups of the 1-D deltas ``own``, in place (``recv``: the partner's)."""
-    comm = _communicator(replicate_group, timeout)
-    assert comm is not None
+    """Adasum over the replica groups (``comm``) of the 1-D deltas ``own``, in place (``recv``: theirs)."""
     q, size = comm.rank, comm.size
     p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
     if q >= p:  # folded into q - p; the result comes back at the end
         comm.exchange(q - p, own, None)
         comm.exchange(q - p, None, own)
         return
-    plan = _plan(counts, CPU_CHUNK if device.type == "cpu" else DEVICE_CHUNK)
+    plan = _plan(counts, CPU_CHUNK if own[0].device.type == "cpu" else DEVICE_CHUNK)
     pieces = _plan_pieces(plan, counts)
     if q + p < size:
         comm.exchange(q + p, None, recv)

@@ -1,8 +1,5 @@
-"""The Adasum step, once for every training loop: capture, local step, deltas, Adasum, write back.
-
-Horovod 0.28.1's ``_DistributedAdasumOptimizer`` (``horovod/torch/optimizer.py``): every rank steps its own
-optimizer from the same θ, giving ``d_r = θ_r − θ``, then ``θ := θ + Adasum(d_0, …, d_{N−1})``.
-:class:`BackwardAdasumStep` does it bucket by bucket during backward.
+"""The Adasum step, once for every training loop: every rank steps from the same θ, then
+``θ := θ + Adasum(θ_r − θ)`` (Horovod 0.28.1's ``_DistributedAdasumOptimizer``).
 """
 
 from __future__ import annotations
@@ -91,11 +88,7 @@ def adasum_step(
     Every rank of ``group`` calls this for the same ``params`` at the same step (a rank that changes nothing
     contributes a zero delta). The local step runs on a flat copy of ``params`` per dtype and device, kept per
     thread, so the parameters' own storage keeps θ_before. At world size 1: ``local_step()`` alone.
-    ``timeout`` and ``wire_dtype``: as for :func:`adasum_lightning.allreduce.adasum_allreduce_flat`.
-
-    Raises:
-        TypeError: a parameter's dtype is not one the reduction supports (the message names it).
-        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
+    ``timeout``, ``wire_dtype`` and the errors raised: as for :func:`~adasum_lightning.adasum_allreduce`.
     """
     if world_size(group) == 1:
         return local_step()
@@ -171,10 +164,8 @@ class _Bucket:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.work = torch.empty(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-        )
         self.counts = [p.numel() for p in params]
+        self.work = torch.empty(sum(self.counts), dtype=params[0].dtype, device=params[0].device)
         self.pieces = _views(self.work, params)
         self.own: list[torch.Tensor] = []  # the parameters' own storage (θ_before) while in flight
         self.ids = {id(p) for p in params}

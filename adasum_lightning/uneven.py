@@ -1,7 +1,5 @@
-"""Uneven inputs: every rank stops an epoch at the same batch, the shortest rank's count.
-
-Every step is a collective, so a rank out of batches would leave the others waiting until the timeout.
-docs/uneven_inputs_and_resume.md.
+"""Uneven inputs: every rank stops an epoch at the shortest rank's batch count, so no rank waits for the
+others in a collective (docs/uneven_inputs_and_resume.md).
 """
 
 from __future__ import annotations
@@ -37,19 +35,15 @@ def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:
 def uneven_message(name: str, counts: list[str], stop: int, refuse: bool) -> str:
     """The warning, or with ``refuse`` the error, for per-rank ``counts`` (``"5"``, ``"more than 4"``)."""
     listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-    fix = (
-        "Give every rank the same number of batches to use all the data (a DistributedSampler — in "
-        "Lightning, use_distributed_sampler=True — or equal shards of an IterableDataset)"
-    )
+    fix = "Give every rank the same number of batches (a DistributedSampler, or equal shards)"
     if refuse:
         return (
-            f"the ranks have different numbers of {name} batches ({listed}), and uneven_inputs='error' was "
-            f"asked for. {fix}, or pass uneven_inputs='truncate' to stop every rank after the shortest count."
+            f"the ranks have different numbers of {name} batches ({listed}). {fix}, or pass "
+            "uneven_inputs='truncate' to stop every rank after the shortest count."
         )
     return (
         f"the ranks have different numbers of {name} batches ({listed}): every rank stops this epoch after "
-        f"{stop} batches, the shortest count, so that no rank waits for the others in the update. {fix}, or "
-        "pass uneven_inputs='error' to refuse this."
+        f"{stop} batches, the shortest count. {fix}, or pass uneven_inputs='error' to refuse this."
     )
 
 
@@ -74,7 +68,6 @@ class EvenBatches:
         on_uneven: called on every rank with the warning (default: ``warnings.warn`` on rank 0, once).
 
     Raises:
-        ValueError: an unknown ``uneven_inputs``.
         UnevenInputsError: on every rank, when the counts differ and ``uneven_inputs="error"``.
     """
 

@@ -1,9 +1,5 @@
 """Horovod without Lightning: importing it, the build command when it is missing, and the rules of its launch,
-its Adasum and its optimizer.
-
-Sources (Horovod 0.28.1): ``torch/mpi_ops.py`` (CPU Adasum: power-of-2 world), ``common/ops/
-adasum_gpu_operations.cc`` (NCCL Adasum: homogeneous power-of-2 nodes), ``common/operations.cc`` (Adasum for
-MPI only), ``torch/optimizer.py`` (the local step runs in the backward hook).
+its Adasum and its optimizer (read from Horovod 0.28.1).
 """
 
 from __future__ import annotations
@@ -157,14 +153,8 @@ def check_world_size(size: int) -> None:
 
 
 def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
-    """NCCL Adasum needs power-of-2 nodes of the same power-of-2 GPU count (``local_sizes``: per rank).
-
-    Returns:
-        A warning for a single node (Adasum then averages inside it), else None.
-
-    Raises:
-        AdasumConfigurationError: heterogeneous nodes, or a node count or local size not a power of 2.
-    """
+    """NCCL Adasum needs power-of-2 nodes of the same power-of-2 GPU count (``local_sizes``: per rank);
+    returns a warning for a single node, else None. Raises ``AdasumConfigurationError`` otherwise."""
     distinct = sorted(set(local_sizes))
     if len(distinct) != 1:
         raise AdasumConfigurationError(

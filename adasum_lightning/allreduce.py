@@ -282,24 +282,17 @@ class _Exchange:
 
 def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm, wire_dtype: torch.dtype | None = None) -> None:
     counts = [t.numel() for t in bucket]
-    total = sum(counts)
-    if total == 0:
+    first, dtype = bucket[0], wire_dtype or bucket[0].dtype
+    if sum(counts) == 0:
         return
-    first = bucket[0]
-    dtype = wire_dtype or first.dtype
     if len(bucket) == 1 and first.is_contiguous() and dtype == first.dtype:
-        flat = first.view(-1)
-        copy_back = False
-    else:
-        flat = workspace(total, dtype, first.device, slot="flat")
-        torch.cat([t.reshape(-1) for t in bucket], out=flat)
-        copy_back = True
+        _reduce_flat(first.view(-1), counts, comm)
+        return
+    flat = workspace(sum(counts), dtype, first.device, slot="flat")
+    torch.cat([t.reshape(-1) for t in bucket], out=flat)
     _reduce_flat(flat, counts, comm)
-    if copy_back:
-        offset = 0
-        for t, n in zip(bucket, counts, strict=True):
-            t.copy_(flat[offset : offset + n].view(t.shape))
-            offset += n
+    for t, piece in zip(bucket, flat.split(counts), strict=True):
+        t.copy_(piece.view(t.shape))
 
 
 def _reduce_flat(

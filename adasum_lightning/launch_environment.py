@@ -31,13 +31,8 @@ _LOCAL_RANK_VARS = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOC
 _LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
-def _first_int(names: tuple[str, ...], default: int, environ: Mapping[str, str] | None = None) -> int:
-    environ = os.environ if environ is None else environ
-    for name in names:
-        value = environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return default
+def _first_int(names: tuple[str, ...], default: int) -> int:
+    return next((int(os.environ[name]) for name in names if os.environ.get(name)), default)
 
 
 def launcher_rank() -> int:

@@ -196,20 +196,15 @@ class BackwardAdasumStep:
         #: While True, a completed bucket steps (False: accumulation or manual backward passes).
         self.armed = True
         trainable = [p for p in optimizer_parameters(optimizer) if p.requires_grad and p.numel()][::-1]
-        self.buckets: list[_Bucket] = []
-        current: list[torch.Tensor] = []
-        size = 0
-        for p in trainable:
-            if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
+        cut: list[list[torch.Tensor]] = []
+        size, key = 0, None
+        for p in trainable:  # a new bucket once full, or at another dtype or device
+            if size >= bucket_bytes or (p.dtype, p.device) != key:
+                cut.append([])
+                size, key = 0, (p.dtype, p.device)
+            cut[-1].append(p)
             size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+        self.buckets = [_Bucket(params) for params in cut]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._trainable = self._trainable_ids()
         broadcast_from_rank_zero(optimizer_parameters(optimizer), group)

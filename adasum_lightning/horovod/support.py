@@ -124,8 +124,8 @@ def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) 
         )
     if gloo_enabled or not mpi_enabled:
         raise AdasumConfigurationError(
-            "horovod_adasum needs the MPI controller, not Gloo: launch `horovodrun --mpi -np N ...` or "
-            "`mpirun -np N ...`, or use strategy='horovod'."
+            "horovod_adasum needs the MPI controller, but this job runs under Gloo (horovodrun --gloo): "
+            "launch `horovodrun --mpi -np N ...` or `mpirun -np N ...`, or use strategy='horovod'."
         )
 
 

@@ -243,8 +243,8 @@ def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[
     """Raises AdasumConfigurationError for bfloat16 parameters on CPU: Horovod's CPU collectives lack it."""
     if device_type == "cpu" and torch.bfloat16 in set(dtypes):
         raise AdasumConfigurationError(
-            f"{strategy_name} cannot reduce bfloat16 parameters on CPU (Horovod's CPU collectives lack it): "
-            "use precision='bf16-mixed', or strategy='ddp_adasum'."
+            f"{strategy_name} cannot reduce bfloat16 parameters on CPU (Horovod's CPU collectives lack it). "
+            "Use precision='bf16-mixed', or strategy='ddp_adasum'."
         )
 
 

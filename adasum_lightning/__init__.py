@@ -1,23 +1,9 @@
 """adasum-lightning: Adasum (adaptive summation) as PyTorch Lightning 2.x strategies.
 
-``import adasum_lightning`` registers four strategy names with Lightning's ``StrategyRegistry`` (of
-``pytorch_lightning`` and of ``lightning.pytorch``, each once that package is imported), and with Fabric's:
-
-- ``"horovod_adasum"``: :class:`HorovodAdasumStrategy`, Horovod's Adasum of parameter deltas under
-  ``horovodrun``/``mpirun``; no learning-rate scaling;
-- ``"horovod"``: :class:`HorovodStrategy`, Horovod's gradient averaging, learning rate × world size
-  (pytorch-lightning 1.x's ``strategy="horovod"``);
-- ``"ddp_adasum"``: :class:`DDPAdasumStrategy`, Adasum of parameter deltas on ``torch.distributed``, launched
-  by Lightning, ``torchrun``, SLURM or Azure ML; no Horovod needed.
-- ``"fsdp_adasum"``: :class:`FSDPAdasumStrategy`, Adasum of parameter deltas across replica groups of ranks,
-  each group sharding the model with FSDP2 (:mod:`adasum_lightning.sharded`).
-
-The classes exist once per Lightning package (:mod:`adasum_lightning._namespaces`):
-``adasum_lightning.trainer.X`` for ``pytorch_lightning.Trainer``, ``adasum_lightning.lightning.X`` for
-``lightning.pytorch.Trainer``; a bare ``adasum_lightning.X`` is the one of the package this process imported.
-Importing this package imports neither Lightning nor Horovod. With ``torch`` alone, :class:`AdasumOptimizer`,
-:func:`adasum_allreduce` and :func:`adasum_step` work; a strategy class then raises an ``ImportError`` naming
-the pip command.
+``import adasum_lightning`` registers ``"horovod_adasum"``, ``"horovod"``, ``"ddp_adasum"`` and
+``"fsdp_adasum"`` with the Trainer's and Fabric's registries of each Lightning package once it is imported;
+a bare ``adasum_lightning.X`` is the class for the package this process imported. Importing this package
+imports neither Lightning nor Horovod.
 """
 
 from __future__ import annotations
@@ -61,9 +47,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _set_rank_zero_from_launcher() -> None:  # only where a Lightning package is installed
-    # Lightning reads RANK/LOCAL_RANK/… when it is imported; under mpirun only OMPI_* are set, so every rank
-    # would print rank-zero messages until fit starts. Both Lightning packages share lightning_utilities'
-    # ``rank_zero_only``: give it the launcher's rank once it is imported (no Horovod initialisation).
+    # Under mpirun only OMPI_* are set, so Lightning's rank_zero_only would be 0 on every rank until fit.
     import wrapt
 
     rank = launcher_rank()

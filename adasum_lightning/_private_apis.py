@@ -1,8 +1,4 @@
-"""How a private API of another package is recorded and checked; needs no Lightning.
-
-``trainer/_compat.py``, ``fabric/_compat.py`` and ``horovod/_compat.py`` list the entries (their
-``PRIVATE_APIS``); :func:`missing` checks them for the Lightning package in use (``tests/test_compat.py``).
-"""
+"""How a private API of another package is recorded and checked (``tests/test_compat.py``); no Lightning."""
 
 from __future__ import annotations
 
@@ -33,10 +29,7 @@ class PrivateApi:
 
 
 def missing(package: str = "pytorch_lightning", include_optional: bool = False) -> list[str]:
-    """One line per private API that the strategies for ``package`` use and the installed versions lack.
-
-    Empty when all are there. Imports ``package`` (a key of :data:`COMPAT_MODULES`).
-    """
+    """One line per private API the strategies for ``package`` use and the installed versions lack."""
     modules = (*COMPAT_MODULES[package], *LIGHTNING_FREE_COMPAT_MODULES)
     apis = [api for module in modules for api in importlib.import_module(module).PRIVATE_APIS]
     return [

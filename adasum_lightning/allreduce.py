@@ -1,17 +1,9 @@
 """Adasum allreduce on ``torch.distributed`` point-to-point operations (no Horovod, no Lightning).
 
-:func:`adasum_allreduce` performs Horovod 0.28.1's MPI Adasum allreduce
-(``horovod/common/ops/adasum/adasum.h``, ``adasum_mpi.cc``) over ``batch_isend_irecv``: Gloo for CPU tensors,
-NCCL (or any point-to-point backend) for others. Per flat bucket of same-dtype, same-device tensors: ranks
-``P … N-1`` (``P`` the largest power of 2 ≤ ``N``) are folded into ranks ``r - P``, then vector halving /
-distance doubling over ranks ``0 … P-1`` (a binomial tree for buckets up to :data:`TREE_MAX_BYTES`), then the
-result is sent back. The algorithm, its equality with Horovod and its tuning: docs/adasum_allreduce.md.
-
-Coefficients (Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021; Horovod
-``adasum.h``): with ``L``, ``R`` the data of the lower and upper half of the ranks sharing a segment,
-``cL = 1 - (L·R) / ‖L‖² · 0.5`` and ``cR = 1 - (L·R) / ‖R‖² · 0.5`` in float64, in this order; a squared norm
-below :data:`~adasum_lightning.reference.ADASUM_NORM_EPS` forces its coefficient to 1. The combination is
-computed in float64 and rounded once to the tensor's dtype, like Horovod's ``ScaledAdd``.
+Horovod 0.28.1's MPI Adasum (``horovod/common/ops/adasum/adasum.h``) per flat bucket of one dtype and device:
+the ranks above the largest power of 2 fold in, then vector halving / distance doubling (a binomial tree up to
+:data:`TREE_MAX_BYTES`), coefficients ``1 - (L·R) / ‖L‖² · 0.5`` in float64, the combination rounded once.
+Algorithm and tuning: docs/adasum_allreduce.md.
 """
 
 from __future__ import annotations
@@ -19,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -36,15 +29,13 @@ __all__ = [
 #: Dtypes :func:`adasum_allreduce` reduces (Horovod's CPU Adasum has no bfloat16; this module does).
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-#: Elements per float64 work chunk on CPU: two chunks of 2 MiB stay in the L2/L3 cache
-#: (docs/adasum_allreduce.md, "Tuning").
+#: Elements per float64 work chunk on CPU (docs/adasum_allreduce.md, "Tuning").
 CPU_CHUNK: int = 1 << 18
-#: Elements per chunk on other devices (GPU): at most 2 × 8 × 2**24 B = 256 MiB of float64 scratch memory.
+#: Elements per chunk on other devices: at most 256 MiB of float64 scratch.
 DEVICE_CHUNK: int = 1 << 24
-#: Buckets with ``bytes × log2(P)`` up to this take the binomial tree instead of the vector halving: fewer
-#: round trips, whole buckets per level (docs/adasum_allreduce.md, "Tuning").
+#: Buckets with ``bytes × log2(P)`` up to this take the binomial tree (fewer round trips).
 TREE_MAX_BYTES: int = 8 << 20
-#: Bytes per message of a large point-to-point exchange on Gloo (docs/adasum_allreduce.md, "Tuning").
+#: Bytes per message of a large point-to-point exchange on Gloo.
 GLOO_PIECE_BYTES: int = 4 << 20
 #: Tensor parts of fewer elements are batched with their neighbours into one chunk (``segment_reduce``).
 SMALL_TENSOR: int = 1 << 12
@@ -56,34 +47,20 @@ def adasum_allreduce(
     timeout: timedelta | None = None,
     wire_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Adasum allreduce of ``tensors`` across the ranks of ``group``, in place.
+    """Adasum allreduce of ``tensors`` across the ranks of ``group``, in place; the same bits on every rank.
 
-    Every rank passes tensors of the same shapes and dtypes in the same order; afterwards each holds, bitwise
-    identical on every rank, the Adasum of the ranks' tensors (one coefficient pair per tensor) in the order
-    of :func:`adasum_lightning.reference.adasum_reduce`. float32 matches ``hvd.allreduce(op=hvd.Adasum)``
-    to ≤ 1 ulp. Buffers are kept per thread for the next call, as Horovod keeps its fusion buffer
-    (:func:`release_workspace` frees them).
+    The order is :func:`adasum_lightning.reference.adasum_reduce`'s, one coefficient pair per tensor; returns
+    ``tensors`` as a list. Buffers are kept per thread (:func:`release_workspace` frees them).
 
     Args:
-        tensors: tensors of any shapes (contiguous or not), dtypes float16, bfloat16, float32 or float64, on
-            devices ``group``'s backend supports for point-to-point operations (CPU with Gloo; CUDA with
-            NCCL).
-        group: the process group (default: the default group); on a rank that is not a member, nothing
-            happens.
-        timeout: how long one exchange may wait for its peer on Gloo (default: torch's default process-group
-            timeout, 30 minutes); pass the group's own. Without it a lost peer blocks until the kernel gives
-            up the connection. Not used with NCCL, whose watchdog applies the group's timeout.
-        wire_dtype: None, or the dtype every sent piece is rounded to (see :func:`adasum_allreduce_flat`).
-
-    Returns:
-        The same tensors, as a list (``tensors`` itself when it is a list), reduced in place. An empty list
-        and a group of size 1 are no-ops.
+        tensors: float16, bfloat16, float32 or float64 tensors, the same shapes and order on every rank.
+        group: the process group (default: the default group); a non-member does nothing.
+        timeout: how long one Gloo exchange waits for its peer (default: torch's 30 minutes).
+        wire_dtype: None, or the dtype every sent piece is rounded to.
 
     Raises:
-        TypeError: an element is not a tensor, or has another dtype (the message names it).
-        ValueError: from ``torch.distributed`` when no process group is initialised.
-        RuntimeError: from ``torch.distributed`` when the backend fails (a peer died or did not answer within
-            ``timeout``).
+        TypeError: an element is not a tensor of a supported dtype.
+        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
     """
     out = tensors if isinstance(tensors, list) else list(tensors)
     for i, t in enumerate(out):
@@ -91,11 +68,8 @@ def adasum_allreduce(
     comm = _communicator(group, timeout) if out else None
     if comm is None:
         return out
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in out:
-        buckets.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad():
-        for bucket in buckets.values():
+        for bucket in buckets(out).values():
             _reduce_bucket(bucket, comm, wire_dtype)
     return out
 
@@ -108,23 +82,15 @@ def adasum_allreduce_flat(
     on_final: Callable[[int, int], None] | None = None,
     wire_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """:func:`adasum_allreduce` of tensors already packed back to back into one flat buffer, in place.
-
-    :func:`adasum_lightning.step.adasum_step` writes the deltas straight into such a buffer.
+    """:func:`adasum_allreduce` of tensors packed back to back into one flat buffer, in place.
 
     Args:
-        flat: a contiguous 1-D tensor of a supported dtype, the same length and dtype on every rank.
-        counts: the element counts of the tensors in it, in order; they add up to ``flat.numel()``.
+        flat: a contiguous 1-D tensor of a supported dtype, the same length on every rank.
+        counts: the element counts of the tensors in it, in order.
         group, timeout: as for :func:`adasum_allreduce`.
-        on_final: called as ``on_final(start, length)`` for disjoint ranges that together cover ``flat``,
-            each as soon as it holds the result, while other ranges may still be in flight (the local-SGD
-            sync applies its update there); it must not write ``flat``.
-        wire_dtype: None, or a dtype (``torch.bfloat16``, ``torch.float16``) that every sent piece is rounded
-            to: the allreduce runs on a copy of ``flat`` in that dtype (each level's combination computed in
-            float64 and rounded once to it), and the result is copied back into ``flat``.
-
-    Returns:
-        ``flat``, reduced in place.
+        on_final: called as ``on_final(start, length)`` for disjoint ranges covering ``flat``, each once it
+            holds the result (others may still be in flight); it must not write ``flat``.
+        wire_dtype: None, or ``torch.bfloat16``/``torch.float16``: the allreduce runs on a copy in that dtype.
 
     Raises:
         TypeError: ``flat`` is not a tensor of a supported dtype.
@@ -157,13 +123,10 @@ def adasum_allreduce_flat(
 def mean_allreduce_flat(
     flat: torch.Tensor, group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """The mean of a flat buffer over the ranks of ``group`` (every member calls it), in place.
+    """The mean of ``flat`` over the ranks of ``group``, in place.
 
-    Without ``wire_dtype``: ``all_reduce`` of the sum, divided by the size. With it (the same bits on every
-    rank): each rank sends ``flat`` rounded to ``wire_dtype``; ``all_to_all_single`` gives rank ``j`` the
-    ``j``-th of ``N`` equal parts of every rank's buffer, which it sums in float32 (float64 for a float64
-    buffer) in rank order, divides by ``N`` and rounds once to ``wire_dtype``; ``all_gather`` of those
-    parts gives every rank the whole mean, copied back into ``flat``.
+    With ``wire_dtype``, the same bits on every rank: ``all_to_all_single`` of the rounded buffers, each part
+    summed in rank order in float32 (float64) and rounded once, then ``all_gather``.
     """
     size, n = dist.get_world_size(group), flat.numel()
     if wire_dtype in (None, flat.dtype):
@@ -190,10 +153,6 @@ def release_workspace() -> None:
     _workspace.__dict__.clear()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Internals
-
-
 _workspace = threading.local()
 
 
@@ -207,23 +166,24 @@ def _check_tensor(t: object, i: int) -> None:
         )
 
 
+def buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+    """``tensors`` by dtype and device, in order."""
+    out: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.dtype, t.device), []).append(t)
+    return out
+
+
 def _communicator(group: dist.ProcessGroup | None, timeout: timedelta | None) -> _Comm | None:
     """The exchanges' context for this rank of ``group``; None for a non-member or a group of one."""
     rank = dist.get_rank(group)
-    if rank < 0:  # not a member of ``group``
+    if rank < 0 or dist.get_world_size(group) == 1:
         return None
-    size = dist.get_world_size(group)
-    if size == 1:
-        return None
-    return _Comm(group if group is not None else dist.group.WORLD, rank, size, timeout)
+    return _Comm(group if group is not None else dist.group.WORLD, rank, dist.get_world_size(group), timeout)
 
 
 def workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "recv") -> torch.Tensor:
-    """A 1-D buffer of ``numel`` elements for ``slot``, kept for this thread: fresh memory costs page faults.
-
-    Contents are undefined; one buffer per slot, dtype and device, grown on demand; freed by
-    :func:`release_workspace`.
-    """
+    """An uninitialised 1-D buffer of ``numel`` elements for ``slot``, kept per thread, dtype and device."""
     key = f"{slot}|{dtype}|{device}"
     buf = getattr(_workspace, key, None)
     if buf is None or buf.numel() < numel:
@@ -239,61 +199,47 @@ def _gloo_wait_timeout(group: dist.ProcessGroup, timeout: timedelta | None) -> t
     return timeout if timeout is not None else dist.constants.default_pg_timeout
 
 
+#: One tensor, a list of them, or None (nothing).
+Tensors = torch.Tensor | Sequence[torch.Tensor] | None
+
+
+def _listed(tensors: Tensors) -> Sequence[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else tensors or ()
+
+
 class _Comm:
     """Point-to-point exchanges inside one process group, by group rank."""
 
     def __init__(
         self, group: dist.ProcessGroup, rank: int, size: int, timeout: timedelta | None = None
     ) -> None:
-        self.group = group
-        self.rank = rank
-        self.size = size
-        #: the limit for each point-to-point wait on Gloo (``None``: wait as the backend does)
+        self.group, self.rank, self.size = group, rank, size
         self.timeout = _gloo_wait_timeout(group, timeout)
         # P2POp takes a global ``peer`` in every torch ≥ 2.1 (``group_peer`` exists only from 2.6 on).
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(size)]
 
-    def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped.
+    def wait(self, work: dist.Work) -> None:
+        """Wait for ``work`` once (a second ``wait()`` on a completed Gloo receive blocks for ever)."""
+        work.wait() if self.timeout is None else work.wait(self.timeout)
 
-        On Gloo a 1-D tensor is sent as pieces of :data:`GLOO_PIECE_BYTES`, tagged by their index (Gloo
-        matches by peer and tag; several pieces in flight keep the connection busy); one message otherwise.
-        Each handle is waited once: a second ``wait()`` on a completed Gloo receive blocks for ever.
+    def exchange(self, peer: int, send: Tensors = None, recv: Tensors = None) -> None:
+        """Send ``send`` to and receive ``recv`` from group rank ``peer`` concurrently; empty ones skipped."""
+        self.start(peer, send, recv).wait()
+
+    def start(self, peer: int, send: Tensors = None, recv: Tensors = None) -> _Exchange:
+        """Post :meth:`exchange`'s messages without waiting (``recv`` arrives piece by piece).
+
+        A tensor or a list of tensors each way; on Gloo a large 1-D tensor goes as pieces of
+        :data:`GLOO_PIECE_BYTES` (several in flight keep the connection busy), tagged by their index.
         """
-        ops = [
-            dist.P2POp(op, piece, self.global_ranks[peer], self.group, tag)
-            for op, t in ((dist.isend, send), (dist.irecv, recv))
-            if t is not None and t.numel() > 0
-            for tag, piece in enumerate(self._pieces(t))
-        ]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                if self.timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self.timeout)
-
-    def start(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> _Exchange:
-        """Post :meth:`exchange`'s messages and return without waiting (a 1-D ``recv`` arrives piece by
-        piece: :meth:`_Exchange.wait_received`)."""
-        sends = self._pieces(send) if send is not None and send.numel() else []
-        recvs = self._pieces(recv) if recv is not None and recv.numel() else []
-        ops = [
-            *(
-                dist.P2POp(dist.isend, t, self.global_ranks[peer], self.group, tag)
-                for tag, t in enumerate(sends)
-            ),
-            *(
-                dist.P2POp(dist.irecv, t, self.global_ranks[peer], self.group, tag)
-                for tag, t in enumerate(recvs)
-            ),
-        ]
+        sends = [p for t in _listed(send) if t.numel() for p in self._pieces(t)]
+        recvs = [p for t in _listed(recv) if t.numel() for p in self._pieces(t)]
+        to = self.global_ranks[peer]
+        ops = [dist.P2POp(dist.isend, t, to, self.group, tag) for tag, t in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, t, to, self.group, tag) for tag, t in enumerate(recvs)]
         works = dist.batch_isend_irecv(ops) if ops else []
-        ends, end = [], 0
-        for t in recvs:
-            end += t.numel()
-            ends.append(end)
-        return _Exchange(self.timeout, works[: len(sends)], works[len(sends) :], ends)
+        ends = list(accumulate(t.numel() for t in recvs))
+        return _Exchange(self, works[: len(sends)], works[len(sends) :], ends)
 
     def _pieces(self, t: torch.Tensor) -> list[torch.Tensor]:
         if self.timeout is None or t.dim() != 1 or t.numel() * t.element_size() <= GLOO_PIECE_BYTES:
@@ -301,12 +247,8 @@ class _Comm:
         return list(t.split(max(1, GLOO_PIECE_BYTES // t.element_size())))
 
     def group_sum(self, values: torch.Tensor, width: int) -> torch.Tensor:
-        """Sum of ``values`` over the ``width`` (a power of 2) ranks ``q`` with ``q // width`` equal to ours.
-
-        Pairwise swaps at distances 1, 2, …, width/2 leave the same bits on every rank of the block (addition
-        is commutative). ``all_reduce`` on sub-groups would need ``new_group``, collective over the whole
-        world.
-        """
+        """Sum of ``values`` over the block of ``width`` (a power of 2) ranks holding ours, the same bits on
+        each: pairwise swaps (``all_reduce`` on sub-groups would need a world-wide ``new_group``)."""
         step = 1
         while step < width:
             theirs = torch.empty_like(values)
@@ -319,66 +261,50 @@ class _Comm:
 class _Exchange:
     """The messages of one :meth:`_Comm.start`, waited for once each."""
 
-    def __init__(self, timeout: timedelta | None, sends: list, recvs: list, ends: list[int]) -> None:
-        self.timeout = timeout
-        self.sends = sends
-        self.recvs = recvs
+    def __init__(self, comm: _Comm, sends: list, recvs: list, ends: list[int]) -> None:
+        self.comm, self.sends, self.recvs = comm, sends, recvs
         self.ends = ends  # elements of the receive buffer complete once recvs[i] is done
         self.received = 0  # recvs waited for
-
-    def _wait(self, work: dist.Work) -> None:
-        if self.timeout is None:
-            work.wait()
-        else:
-            work.wait(self.timeout)
 
     def wait_received(self, upto: int) -> None:
         """Wait until the receive buffer holds its first ``upto`` elements."""
         while self.received < len(self.recvs) and (self.received == 0 or self.ends[self.received - 1] < upto):
-            self._wait(self.recvs[self.received])
+            self.comm.wait(self.recvs[self.received])
             self.received += 1
 
     def wait(self) -> None:
         """Wait for every message."""
         self.wait_received(self.ends[-1] if self.ends else 0)
         for work in self.sends:
-            self._wait(work)
+            self.comm.wait(work)
         self.sends = []
 
 
 def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm, wire_dtype: torch.dtype | None = None) -> None:
     counts = [t.numel() for t in bucket]
-    total = sum(counts)
-    if total == 0:
+    first, dtype = bucket[0], wire_dtype or bucket[0].dtype
+    if sum(counts) == 0:
         return
-    first = bucket[0]
-    dtype = wire_dtype or first.dtype
     if len(bucket) == 1 and first.is_contiguous() and dtype == first.dtype:
-        flat = first.view(-1)
-        copy_back = False
-    else:
-        flat = workspace(total, dtype, first.device, slot="flat")
-        torch.cat([t.reshape(-1) for t in bucket], out=flat)
-        copy_back = True
+        _reduce_flat(first.view(-1), counts, comm)
+        return
+    flat = workspace(sum(counts), dtype, first.device, slot="flat")
+    torch.cat([t.reshape(-1) for t in bucket], out=flat)
     _reduce_flat(flat, counts, comm)
-    if copy_back:
-        offset = 0
-        for t, n in zip(bucket, counts, strict=True):
-            t.copy_(flat[offset : offset + n].view(t.shape))
-            offset += n
+    for t, piece in zip(bucket, flat.split(counts), strict=True):
+        t.copy_(piece.view(t.shape))
 
 
 def _reduce_flat(
     flat: torch.Tensor, counts: list[int], comm: _Comm, on_final: Callable[[int, int], None] | None = None
 ) -> None:
-    """Adasum allreduce of one flat buffer holding tensors of ``counts`` elements, in place (``on_final``: as
-    for :func:`adasum_allreduce_flat`)."""
+    """Adasum allreduce of ``flat`` (tensors of ``counts`` elements), in place; ``on_final`` as for
+    :func:`adasum_allreduce_flat`."""
     rank, size = comm.rank, comm.size
     p = 1 << (size.bit_length() - 1)  # largest power of 2 <= size
     total = flat.numel()
     if not is_power_of_two(size) and flat.device.type != "cpu":
-        # NCCL: a batch_isend_irecv that is the group's first collective needs every rank (torch docs);
-        # the fold below involves only some. A tiny all-rank collective first makes that safe.
+        # NCCL: a group's first collective, if a batch_isend_irecv, needs every rank (torch docs)
         dist.all_reduce(torch.zeros(1, device=flat.device), group=comm.group)
     if rank >= p:  # extra rank: hand the data to rank - p, get the result back
         comm.exchange(rank - p, flat, None)
@@ -386,9 +312,7 @@ def _reduce_flat(
         if on_final is not None:
             on_final(0, total)
         return
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
+    offsets = list(accumulate(counts, initial=0))
     has_extra = rank + p < size
     halving = total * flat.element_size() * (p.bit_length() - 1) > TREE_MAX_BYTES
     recv = workspace(total if has_extra or not halving else (total + 1) // 2, flat.dtype, flat.device)
@@ -442,10 +366,8 @@ def _halving_doubling(
     p: int,
     on_final: Callable[[int, int], None] | None = None,
 ) -> None:
-    """Horovod's vector halving / distance doubling over group ranks ``0 … p-1``, then distance halving.
-
-    ``on_final`` sees the last level's own segment chunk by chunk as it is combined, then each segment
-    received back, piece by piece."""
+    """Horovod's vector halving / distance doubling over group ranks ``0 … p-1``, then distance halving;
+    ``on_final`` sees the last level's segment chunk by chunk, then each segment received back."""
     rank = comm.rank
     num = len(offsets) - 1
     chunk = CPU_CHUNK if flat.device.type == "cpu" else DEVICE_CHUNK
@@ -479,8 +401,7 @@ def _halving_doubling(
             _scaled_add([a], [b], [a], plan, pieces, _coefficients(stats, left), done=back.written)
             back.wait()
         lo, n = keep_lo, keep_n
-    # Distance halving: swap the reduced segments back (history[i] is the level of distance 2**i; the last
-    # level's swap is done above).
+    # Distance halving: swap the reduced segments back (the last level's swap is done above).
     for i in reversed(range(len(history) - 1)):
         keep_lo, keep_n, give_lo, give_n = history[i]
         comm.exchange(rank ^ (1 << i), flat[keep_lo : keep_lo + keep_n], flat[give_lo : give_lo + give_n])
@@ -489,9 +410,8 @@ def _halving_doubling(
 
 
 class _Outgoing:
-    """The swap back of the last halving level: ``flat[send_lo : send_lo + send_n]`` sent piece by piece as
-    it is written (on Gloo; whole otherwise), the peer's segment received into ``flat[recv_lo : recv_lo +
-    recv_n]``; ``on_final`` sees the written elements, then each received piece."""
+    """The swap back of the last halving level: the ``send`` range of ``flat`` sent piece by piece as it is
+    written, the peer's received into the ``recv`` range; ``on_final`` sees both."""
 
     def __init__(
         self,
@@ -529,10 +449,7 @@ class _Outgoing:
         self.written(self.end + sum(t.numel() for t in self.pieces[self.sent :]))
         at = self.recv_lo
         for i, work in enumerate(self.works):  # the receives come first, in the order of ``recvs``
-            if self.comm.timeout is None:
-                work.wait()
-            else:
-                work.wait(self.comm.timeout)
+            self.comm.wait(work)
             if self.on_final is not None and i < len(self.recvs):
                 self.on_final(at, self.recvs[i].numel())
                 at += self.recvs[i].numel()
@@ -545,43 +462,32 @@ def _segment_counts(offsets: list[int], lo: int, n: int) -> list[int]:
 
 
 def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list[int]]]:
-    """Work chunks over a segment whose tensors have ``counts`` elements in it.
-
-    Returns ``(start, stop, tensor_ids, lengths)`` per chunk, in order: a part of one large tensor, or a run
-    of small tensor parts of at most ``min(chunk, 2**18)`` elements (their products take 32 bytes each).
-    """
-    run_limit = min(chunk, 1 << 18)
-    chunks = []
-    start = 0
-    run_ids: list[int] = []
-    run_lengths: list[int] = []
-    run_start = 0
+    """Work chunks ``(start, stop, tensor_ids, lengths)`` over tensors of ``counts`` elements: a part of one
+    large tensor, or a run of small ones of at most ``min(chunk, 2**18)`` elements."""
+    chunks: list[tuple[int, int, list[int], list[int]]] = []
+    run: list[tuple[int, int]] = []  # (tensor index, length) of the small tensors since the last chunk
+    start = run_n = 0
 
     def flush() -> None:
-        if run_ids:
-            chunks.append((run_start, start, list(run_ids), list(run_lengths)))
-            run_ids.clear()
-            run_lengths.clear()
+        if run:
+            chunks.append((start - run_n, start, [i for i, _ in run], [n for _, n in run]))
+            run.clear()
 
     for i, c in enumerate(counts):
-        if c == 0:
-            continue
         if c >= SMALL_TENSOR:
             flush()
-            for s in range(start, start + c, chunk):
-                e = min(s + chunk, start + c)
-                chunks.append((s, e, [i], [e - s]))
-            start += c
-            run_start = start
-        else:
-            if not run_ids:
-                run_start = start
-            run_ids.append(i)
-            run_lengths.append(c)
-            start += c
-            if start - run_start >= run_limit:
-                flush()
-                run_start = start
+            run_n = 0
+            chunks += [
+                (s, min(s + chunk, start + c), [i], [min(chunk, start + c - s)])
+                for s in range(start, start + c, chunk)
+            ]
+        elif c:
+            run.append((i, c))
+            run_n += c
+        start += c
+        if run_n >= min(chunk, 1 << 18):
+            flush()
+            run_n = 0
     flush()
     return chunks
 
@@ -598,12 +504,7 @@ def _flat_pieces(plan: list) -> Pieces:
 def _fill_rows(
     m: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], parts: list[tuple[int, int, int, int]]
 ) -> None:
-    """``m[0]``, ``m[1]`` := one chunk of ``a``, ``b`` (exact: every supported dtype converts to float64)."""
-    if len(parts) == 1:
-        i, at, _, n = parts[0]
-        m[0].copy_(a[i][at : at + n])
-        m[1].copy_(b[i][at : at + n])
-        return
+    """``m[0]``, ``m[1]`` := one chunk of ``a``, ``b`` (exact in float64)."""
     for i, at, o, n in parts:
         m[0, o : o + n].copy_(a[i][at : at + n])
         m[1, o : o + n].copy_(b[i][at : at + n])
@@ -617,9 +518,8 @@ def _local_grams(
     num: int,
     ready: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """Per tensor, float64 ``[a·a, a·b, b·a, b·b]`` over the elements of ``a`` and ``b`` (buffers of the same
-    sizes, laid out by ``plan`` and ``pieces``): shape ``(num, 4)``. ``ready(e)``, if given, is called before
-    the chunk ending at plan offset ``e`` is read."""
+    """Per tensor, float64 ``[a·a, a·b, b·a, b·b]``: shape ``(num, 4)``; ``ready(e)`` is called before the
+    chunk ending at plan offset ``e`` is read."""
     device = a[0].device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)
@@ -666,9 +566,8 @@ def _scaled_add(
     coeffs: torch.Tensor,
     done: Callable[[int], None] | None = None,
 ) -> None:
-    """``out := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i``, in float64, rounded once to the dtype
-    (``out`` may be ``a`` or ``b``: each chunk is read into the float64 rows before it is written);
-    ``done(e)``, if given, is called once the chunk ending at plan offset ``e`` is written."""
+    """``out := coeffs[i, 0]·a + coeffs[i, 1]·b`` per tensor ``i`` in float64, rounded once (``out`` may be
+    ``a`` or ``b``); ``done(e)`` is called once the chunk ending at plan offset ``e`` is written."""
     device = a[0].device
     cmax = max((e - s for s, e, _, _ in plan), default=0)
     work = workspace(2 * cmax, torch.float64, device, slot="work64").view(2, cmax)

@@ -10,18 +10,12 @@ __all__ = ["AdasumConfigurationError", "reported_on_every_rank"]
 
 
 class AdasumConfigurationError(ValueError):
-    """A configuration the strategy cannot run correctly; the message names the fix.
-
-    A ``ValueError``, not Lightning's ``MisconfigurationException``: one class under either Lightning package.
-    """
+    """A configuration the strategy cannot run correctly; the message names the fix."""
 
 
 @contextlib.contextmanager
 def reported_on_every_rank(rank: int) -> Iterator[None]:
-    """Print a refused configuration on this rank at once, then re-raise it.
-
-    Once the first rank exits, the launcher kills the others, which could die before printing their traceback.
-    """
+    """Print a refused configuration on this rank at once (the launcher may kill it soon), then re-raise."""
     try:
         yield
     except AdasumConfigurationError as err:

@@ -1,12 +1,8 @@
-"""``adasum-fabric``: Lightning's ``fabric`` command (``fabric run``, ``fabric consolidate``) with the Adasum
-strategies registered, so that a Fabric script that takes its strategy from the command line runs with it:
-``adasum-fabric run --strategy=ddp_adasum --devices=2 script.py``.
+"""``adasum-fabric``: Lightning's ``fabric`` command with the Adasum strategies registered.
 
-Why not ``fabric run`` itself: it checks ``--strategy`` against Fabric's registry when its module is
-imported, before the script could ``import adasum_lightning``, and the processes it starts (through
-torchrun) look the name up again in a registry the script has not filled. This command imports
-``adasum_lightning`` before Lightning's command and runs the script through
-:mod:`adasum_lightning.fabric_script`, which imports it in every process before running the script.
+``fabric run`` checks ``--strategy`` on import, before a script could ``import adasum_lightning``, and its
+processes look the name up again: this command imports the package first and runs the script through
+:mod:`adasum_lightning.fabric_script` in every process.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ SCRIPT_RUNNER = str(Path(__file__).with_name("fabric_script.py"))
 
 
 def _fabric_cli() -> Any:
-    """The ``fabric`` command's module of the installed Fabric package (the unified ``lightning`` first, as
-    its ``fabric`` console script), imported after ``adasum_lightning``."""
+    """The installed ``fabric`` command's module, imported after ``adasum_lightning``."""
     import adasum_lightning  # noqa: F401  (registers the strategies with each Fabric package on its import)
 
     name = "lightning.fabric.cli" if importlib.util.find_spec("lightning") else "lightning_fabric.cli"
@@ -34,8 +29,7 @@ def _fabric_cli() -> Any:
 
 
 def _through_runner(cli: Any, args: list[str]) -> list[str]:
-    """``run``'s arguments with :data:`SCRIPT_RUNNER` before the script (parsed by Lightning's own command);
-    unchanged when they do not parse, so that Lightning's command reports the error."""
+    """``run``'s arguments with :data:`SCRIPT_RUNNER` before the script; unchanged when they do not parse."""
     try:
         with cli._run.make_context("run", args[1:], resilient_parsing=True) as context:
             script = context.params.get("script")
@@ -48,12 +42,7 @@ def _through_runner(cli: Any, args: list[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run Lightning's ``fabric`` command with ``argv`` (default: this process's arguments).
-
-    Raises:
-        SystemExit: with the command's exit status; 1 with the fix when ``click`` (which Lightning's command
-            needs) or a Fabric package is not installed.
-    """
+    """Run Lightning's ``fabric`` command with ``argv``; exit with the fix when Fabric or click is missing."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         cli = _fabric_cli()

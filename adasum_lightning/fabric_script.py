@@ -1,8 +1,5 @@
-"""Runs ``SCRIPT [ARGS]`` as ``__main__`` after ``import adasum_lightning``: what every process that
-``adasum-fabric run`` starts runs (:mod:`adasum_lightning.fabric_command`), so that the script's ``Fabric()``
-finds the strategy named on the command line.
-
-usage: python .../adasum_lightning/fabric_script.py SCRIPT [ARGS...]
+"""Runs ``SCRIPT [ARGS]`` as ``__main__`` after ``import adasum_lightning``: what every process of
+``adasum-fabric run`` runs (:mod:`adasum_lightning.fabric_command`).
 """
 
 import os

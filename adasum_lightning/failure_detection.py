@@ -1,7 +1,6 @@
 """The launch settings that end a multi-host job when a host is lost, and give the ranks time on SIGTERM.
 
-``adasum-horovodrun``, ``make demo`` and the Azure ML jobs apply them; why each, and the measurements behind
-the numbers: docs/launching.md, "A lost host".
+``adasum-horovodrun``, ``make demo`` and the Azure ML jobs apply them: docs/launching.md, "A lost host".
 """
 
 from __future__ import annotations
@@ -23,13 +22,12 @@ __all__ = [
     "tcp_retries2_sysctl",
 ]
 
-#: Open MPI MCA parameters that end the job about 30 s after a host becomes unreachable: keepalive probes
-#: after 10 s of silence, every 5 s, 4 unanswered (10 + 4 × 5 s; Open MPI's defaults give 480 s).
+#: Open MPI MCA parameters: keepalive probes end the job soon after a host becomes unreachable.
 MPI_FAULT_SETTINGS: dict[str, str] = {
     "oob_tcp_keepalive_time": "10",
     "oob_tcp_keepalive_intvl": "5",
     "oob_tcp_keepalive_probes": "4",
-    # Seconds between SIGCONT, SIGTERM and SIGKILL when mpirun stops the ranks (default 1 s): checkpoint time.
+    # seconds between SIGTERM and SIGKILL when mpirun stops the ranks: time to checkpoint
     "odls_base_sigkill_timeout": "5",
 }
 
@@ -40,43 +38,33 @@ def mpirun_mca_args(settings: Mapping[str, str] = MPI_FAULT_SETTINGS) -> list[st
 
 
 def horovodrun_mpi_args(settings: Mapping[str, str] = MPI_FAULT_SETTINGS) -> str:
-    """The same for ``horovodrun --mpi-args="..."`` (one string; append other Open MPI options to it)."""
+    """The same as one string for ``horovodrun --mpi-args``."""
     return " ".join(mpirun_mca_args(settings))
 
 
 def mpi_env(settings: Mapping[str, str] = MPI_FAULT_SETTINGS) -> dict[str, str]:
-    """The same as environment variables (``OMPI_MCA_<name>``) for the launcher's environment.
-
-    ``mpirun`` passes them to the other hosts' daemons, so exporting them where it starts is enough; a value
-    on the command line wins over the variable.
-    """
+    """The same as ``OMPI_MCA_<name>`` environment variables (``mpirun`` passes them to other hosts)."""
     return {f"OMPI_MCA_{name}": str(value) for name, value in settings.items()}
 
 
-#: Process-group timeout of the torch.distributed strategies (``DDPStrategy(timeout=...)``): a collective
-#: waiting this long for a peer raises. It also bounds legitimate waits (a barrier while rank 0 writes a
-#: checkpoint): raise it if one rank can be busy alone for longer. torch's Gloo default: 30 minutes.
+#: Process-group timeout of the torch.distributed strategies: also bounds legitimate waits (a checkpoint).
 DDP_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=30)
 
-#: ``torchrun`` arguments: when a worker fails, the agent waits this long from SIGTERM to SIGKILL for the
-#: others (default 30 s); a rank blocked in a collective cannot run a signal handler anyway.
+#: ``torchrun`` arguments: a short SIGTERM-to-SIGKILL wait (a rank blocked in a collective cannot handle it).
 TORCHRUN_FAULT_ARGS: tuple[str, ...] = ("--shutdown-timeout", "5")
 
-#: Process-group timeout of the elastic recipe (docs/elastic.md): the survivors of a lost node fail their
-#: collective after this long and their agent restarts them; keep it above the longest legitimate wait.
+#: Process-group timeout of the elastic recipe (docs/elastic.md): survivors of a lost node fail and restart.
 ELASTIC_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=15)
 
-#: ``torchrun`` arguments of the elastic recipe (with ``--nnodes MIN:MAX --max-restarts K``): the fault
-#: arguments, and a rendezvous that closes 5 s after the smallest world has joined (c10d default 30 s).
+#: ``torchrun`` arguments of the elastic recipe: the fault arguments and a short rendezvous last call.
 TORCHRUN_ELASTIC_ARGS: tuple[str, ...] = (*TORCHRUN_FAULT_ARGS, "--rdzv-conf", "last_call_timeout=5")
 
-#: The environment of each node's ``torchrun`` in the elastic recipe: the workers' store is made afresh for
-#: every rendezvous round (by default torchrun's agent keeps one store across rounds, and a restarted worker
-#: can read a peer address its failed predecessor left there: "Gloo connectFullMesh failed").
+#: Each node's ``torchrun`` environment in the elastic recipe: a fresh store per rendezvous round, so that a
+#: restarted worker does not read its failed predecessor's peer address.
 TORCHRUN_ELASTIC_ENV: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
-#: ``net.ipv4.tcp_retries2`` for every node of a ``torchrun`` job: unacknowledged TCP data fails after about
-#: 25 s ((2^7 − 1) × 200 ms) instead of about 15 minutes (Linux's 15), ending an agent that lost its store.
+#: ``net.ipv4.tcp_retries2`` for every node of a ``torchrun`` job: unacknowledged TCP data fails early
+#: (Linux's 15), ending an agent that lost its store.
 TCP_RETRIES2 = 6
 
 

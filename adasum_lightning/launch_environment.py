@@ -1,9 +1,7 @@
-"""What the process launcher told this process, read from the environment (no Horovod, no Lightning), and
-the rule that the processes it started are the ones the ``Trainer`` (or ``Fabric``) describes.
+"""What the process launcher told this process, read from the environment (no Horovod, no Lightning).
 
 Open MPI sets ``OMPI_COMM_WORLD_*``, ``horovodrun --gloo`` ``HOROVOD_*``, MPICH / Intel MPI ``PMI_*``;
-``torchrun``, Lightning, SLURM's ``srun`` and Azure ML PyTorch jobs set ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``
-or their own.
+torchrun, SLURM and Azure ML set ``WORLD_SIZE`` or their own.
 """
 
 from __future__ import annotations
@@ -33,13 +31,8 @@ _LOCAL_RANK_VARS = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOC
 _LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
-def _first_int(names: tuple[str, ...], default: int, environ: Mapping[str, str] | None = None) -> int:
-    environ = os.environ if environ is None else environ
-    for name in names:
-        value = environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return default
+def _first_int(names: tuple[str, ...], default: int) -> int:
+    return next((int(os.environ[name]) for name in names if os.environ.get(name)), default)
 
 
 def launcher_rank() -> int:
@@ -64,14 +57,8 @@ def launcher_local_size() -> int:
 
 @dataclass(frozen=True)
 class DetectedLauncher:
-    """The launcher that started this process, as its environment variables say.
-
-    Attributes:
-        name: how users call it, e.g. ``"torchrun"``, ``"mpirun / horovodrun (Open MPI)"``.
-        processes: how many processes it started in all (its world size).
-        variable: the variable that said so, e.g. ``"WORLD_SIZE"``.
-        horovod: True for the launchers that start Horovod jobs (MPI, ``horovodrun --gloo``).
-    """
+    """The launcher that started this process: its name, its world size, the variable that said so, and
+    whether it starts Horovod jobs."""
 
     name: str
     processes: int
@@ -80,11 +67,7 @@ class DetectedLauncher:
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> DetectedLauncher | None:
-    """The launcher whose variables are set in ``environ`` (default ``os.environ``); None for a plain start.
-
-    Checked in this order: ``horovodrun --gloo``, Open MPI, MPICH / Intel MPI, ``torchrun``
-    (``TORCHELASTIC_RUN_ID``), SLURM ``srun`` (inside a job step), then any other ``WORLD_SIZE``.
-    """
+    """The launcher whose variables are set in ``environ`` (default: ``os.environ``); None if none is."""
     env = os.environ if environ is None else environ
 
     def size(name: str) -> int | None:
@@ -118,14 +101,8 @@ def check_launcher_world_size(
     api: str = "Trainer",
     strategy_name: str = "ddp_adasum",
 ) -> None:
-    """The processes a launcher started must be the ``Trainer``'s (or ``Fabric``'s) ``devices × num_nodes``.
-
-    Lightning's generic cluster environment does not compare them with ``WORLD_SIZE``: a mismatch gives
-    duplicate ranks or a rendezvous that waits forever.
-
-    Raises:
-        AdasumConfigurationError: ``launcher_world_size`` ≠ ``devices × num_nodes``; the message names both.
-    """
+    """The launcher's processes are ``devices × num_nodes`` (Lightning's generic environment does not check).
+    Raises ``AdasumConfigurationError``: naming both counts."""
     if launcher_world_size != devices * num_nodes:
         raise AdasumConfigurationError(
             f"{strategy_name}: the launcher started {launcher_world_size} processes "
@@ -136,12 +113,7 @@ def check_launcher_world_size(
 
 
 def check_strategy_world_size(strategy: Any, api: str) -> None:
-    """Under an outside launcher that sets ``WORLD_SIZE`` (torchrun, SLURM, Azure ML), check that
-    ``devices × num_nodes`` describes it; call before the rendezvous, which a mismatch would leave waiting.
-
-    Raises:
-        AdasumConfigurationError: on every rank, naming the ``devices``/``num_nodes`` that match.
-    """
+    """:func:`check_launcher_world_size` under an outside launcher, on every rank, before the rendezvous."""
     environment = strategy.cluster_environment
     if environment is None or not environment.creates_processes_externally:
         return

@@ -1,12 +1,12 @@
 """Learning-rate scaling by a factor, shared by the strategies (``lr_scaling``) and the simulator.
 
 Averaging over N workers shrinks the update, so pytorch-lightning 1.x's Horovod strategy multiplied every
-learning rate by N (https://github.com/Lightning-AI/pytorch-lightning/issues/2574). Adasum needs no such
-factor (Maleki et al., MLSys 2021; Horovod's ``docs/adasum_user_guide.rst``).
+learning rate by N; Adasum needs no such factor (Maleki et al., MLSys 2021).
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -15,40 +15,23 @@ from torch.optim import Optimizer
 
 __all__ = ["LR_KEYS", "check_lr_scaling", "lr_factor", "scale_learning_rates", "scaled_learning_rate_message"]
 
-#: Param-group keys that hold a learning rate: torch's optimizers use ``"lr"``; schedulers keep their own
-#: copies (``"initial_lr"`` for every LRScheduler, ``"max_lr"``/``"min_lr"`` for OneCycleLR).
+#: Param-group keys that hold a learning rate (the optimizer's, and the schedulers' copies).
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 
 
 def check_lr_scaling(value: str | float) -> str | float:
-    """Validate a strategy's ``lr_scaling``: ``"auto"``, ``"none"`` or a positive number (or its text).
-
-    Returns:
-        ``"auto"``, ``"none"`` or the factor as a float.
-
-    Raises:
-        ValueError: anything else (booleans, zero, negative numbers, other text).
-    """
-    if isinstance(value, str):
-        if value in ("auto", "none"):
-            return value
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(
-                f"lr_scaling must be 'auto', 'none' or a positive number, got {value!r}"
-            ) from None
+    """``"auto"``, ``"none"`` or the factor as a float; ValueError for anything else."""
+    if value in ("auto", "none"):
+        return value
+    with contextlib.suppress(ValueError):
+        value = float(value) if isinstance(value, str) else value
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"lr_scaling must be 'auto', 'none' or a positive number, got {value!r}")
     return float(value)
 
 
 def scale_learning_rates(optimizers: Iterable[Optimizer], schedulers: Iterable[Any], factor: float) -> None:
-    """Multiply every learning rate of ``optimizers`` and their ``schedulers`` by ``factor``, once.
-
-    Each param group's numeric :data:`LR_KEYS` and each scheduler's ``base_lrs``; a factor of 1 changes
-    nothing.
-    """
+    """Multiply the param groups' :data:`LR_KEYS` and the schedulers' ``base_lrs`` by ``factor``, once."""
     if factor == 1.0:
         return
     for optimizer in optimizers:

@@ -1,13 +1,7 @@
-"""Communicate every H steps: local SGD, and DiLoCo's outer step, with the ranks' updates combined by Adasum.
+"""Communicate every H steps: local SGD and DiLoCo's outer step, the ranks' updates combined by Adasum.
 
-Every rank takes ``sync_every`` (H) local optimizer steps without communicating, from the parameters of
-the last sync θ_sync. Then the pseudo-gradients Δ_r = θ_r − θ_sync are combined over the ranks — by Adasum
-per parameter tensor (:func:`adasum_lightning.allreduce.adasum_allreduce_flat`) or by their mean — and every
-rank sets θ_sync ← θ_sync + combined Δ, or lets an outer optimizer step θ_sync with −(combined Δ) as its
-gradient (DiLoCo: Douillard et al., 2023, https://arxiv.org/abs/2311.08105; torchft's ``local_sgd.py``).
-Each rank keeps its own inner optimizer state; the outer state is the same on every rank. Here too: the rules
-of the options (``sync_every``, ``combine``, ``outer_optimizer``) and the strategies' windows
-(:func:`periodic_sync`).
+The pseudo-gradients Δ_r = θ_r − θ_sync of ``sync_every`` local steps are combined (Adasum or mean) and added
+to θ_sync, or stepped by an outer optimizer (DiLoCo: Douillard et al., 2023). docs/local_sgd.md.
 """
 
 from __future__ import annotations
@@ -54,14 +48,8 @@ def check_sync_every(
     outer_optimizer: bool = False,
     overlap_sync: bool = False,
 ) -> None:
-    """``sync_every`` is a whole number ≥ 1 and ``combine`` one of ``"adasum"``, ``"mean"``;
-    ``overlap_backward`` (the Adasum of every step, during backward) goes with neither a window of several
-    steps, nor the mean, nor an outer optimizer; ``overlap_sync`` needs windows of several steps and no
-    ``overlap_backward``.
-
-    Raises:
-        AdasumConfigurationError: the value that is off and the accepted ones.
-    """
+    """Check the local-SGD options and how they go with ``overlap_backward`` and ``overlap_sync``. Raises
+    ``AdasumConfigurationError``: the value that is off and the accepted ones."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
         raise AdasumConfigurationError(
             f"{owner}'s sync_every is the number of local optimizer steps between syncs, a whole number ≥ 1 "
@@ -100,13 +88,9 @@ _OUTER_OPTIMIZER_FORMS = {
 
 
 def check_outer_optimizer_form(owner: str, outer: object, builder: bool) -> None:
-    """``outer_optimizer`` of the strategies (``builder``) is a callable that builds the outer optimizer from
-    the parameters; of ``AdasumOptimizer``, an optimizer. None (no outer optimizer) is fine for both. An
-    optimizer class is neither: it would step with its default learning rate (SGD's 0.001).
-
-    Raises:
-        AdasumConfigurationError: the other form, a class, or neither; the message shows the right one.
-    """
+    """``outer`` is None, a callable building the optimizer (``builder``: the strategies) or an optimizer.
+    Raises ``AdasumConfigurationError``: the other form, or a class (it would step with its default learning
+    rate)."""
     if outer is None:
         return
     if isinstance(outer, type) and issubclass(outer, torch.optim.Optimizer):
@@ -127,12 +111,8 @@ def check_outer_optimizer_form(owner: str, outer: object, builder: bool) -> None
 
 
 def check_outer_optimizer(owner: str, inner: Sequence[int], outer: Sequence[int], builder: bool) -> None:
-    """The outer optimizer steps exactly the inner optimizer's parameters (``inner``, ``outer``: their ids);
-    ``builder``: the strategies built it from them (else ``AdasumOptimizer`` was given it).
-
-    Raises:
-        AdasumConfigurationError: naming how many parameters differ and the form ``owner`` takes.
-    """
+    """The outer optimizer steps exactly the inner optimizer's parameters (``inner``, ``outer``: their ids).
+    Raises ``AdasumConfigurationError``: naming how many parameters differ."""
     missing, extra = len(set(inner) - set(outer)), len(set(outer) - set(inner))
     if missing or extra:
         raise AdasumConfigurationError(
@@ -156,31 +136,18 @@ class PeriodicSync:
     """The parameters of one optimizer, synchronised every ``sync_every`` local steps (see the module).
 
     With ``sync_every=1``, ``combine="adasum"`` and no outer optimizer this is
-    :func:`adasum_lightning.step.adasum_step`, the same parameters bitwise. Otherwise it keeps a copy of
-    θ_sync (one copy of ``params``) and one flat buffer of the pseudo-gradients per dtype and device (a
-    kept workspace: a fresh one per sync would cost page faults on every sync). Every rank must call
-    :meth:`step` and :meth:`sync` at the same steps.
-
-    With ``overlap_sync=True`` the exchange of window k runs in a worker thread while window k + 1 computes,
-    and is applied one window late (docs/local_sgd.md, "The sync behind compute"): at the end of window k,
-    with s this rank's window start, δ_k = θ − s; the exchange in flight is waited for and applied,
-    θ_sync ← U(θ_sync, C_{k−1}); C_k = combine(δ_k) starts; θ ← θ_sync + δ_k and s ← θ. :meth:`sync` (and
-    :meth:`state_dict`) finish the exchange in flight and the current window: every rank then holds θ_sync.
-    It costs one more copy of ``params`` (s), a send buffer and the thread (ended by :meth:`sync` and
-    :meth:`close`).
+    :func:`~adasum_lightning.step.adasum_step`. Every rank calls :meth:`step` and :meth:`sync` at the same
+    steps. With ``overlap_sync`` window k's exchange runs in a worker thread during window k + 1 and is
+    applied one window late (docs/local_sgd.md, "The sync behind compute").
 
     Args:
         params: the parameters the local steps change (same shapes, dtypes and order on every rank).
         sync_every: local optimizer steps per sync (H ≥ 1).
         combine: ``"adasum"`` or ``"mean"``.
-        outer_optimizer: None (θ_sync + combined Δ), or an optimizer over ``params`` that steps θ_sync with
-            −(combined Δ) as the gradient.
-        group, timeout: the process group (default: the default group) and how long one exchange waits.
-        wire_dtype: None, or the dtype every piece the combination sends is rounded to (``wire_dtype`` of
-            :mod:`adasum_lightning.allreduce`'s functions); θ_sync and the parameters keep their own dtype.
+        outer_optimizer: None, or an optimizer over ``params`` stepping θ_sync with −(combined Δ).
+        group, timeout, wire_dtype: as for :func:`adasum_lightning.allreduce.adasum_allreduce_flat`.
         overlap_sync: run each window's exchange behind the next window's local steps (H ≥ 2).
-        overlap_group: the process group of those exchanges, the worker thread its only user (the ranks of
-            ``group``; default ``group``, which no other thread may use meanwhile).
+        overlap_group: the worker thread's process group (default ``group``).
     """
 
     def __init__(
@@ -230,13 +197,8 @@ class PeriodicSync:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """End the window now: combine the pseudo-gradients and set every rank's parameters to θ_sync.
-
-        A window without local steps (and, with ``overlap_sync``, no exchange in flight) changes nothing.
-
-        Raises:
-            RuntimeError: from ``torch.distributed``, also what the exchange in flight raised (a lost peer).
-        """
+        """End the window now: combine the pseudo-gradients and set every rank's parameters to θ_sync. Raises
+        ``RuntimeError``: from ``torch.distributed``, also what the exchange in flight raised."""
         if self.overlap_sync:
             return self._end_overlapped(flush=True)
         if self.every_step or self.steps == 0:
@@ -254,9 +216,8 @@ class PeriodicSync:
             self._update(packed)
 
     def _end_overlapped(self, flush: bool) -> None:
-        """``overlap_sync``'s end of a window (the class): the exchange in flight applied, δ = θ − s; then δ's
-        exchange starts in the worker thread and θ ← θ_sync + δ, s ← θ; or, for a flush, it runs now and
-        s ← θ = θ_sync, and the thread ends."""
+        """``overlap_sync``'s end of a window: the exchange in flight applied, δ = θ − s; δ's exchange starts
+        in the worker and θ ← θ_sync + δ, s ← θ; a flush runs it now, s ← θ = θ_sync, and ends the thread."""
         assert self._start is not None and self._synced is not None
         steps, self.steps = self.steps, 0
         if steps == 0 and self._pending is None:
@@ -287,9 +248,8 @@ class PeriodicSync:
             s.copy_(p.detach())
 
     def _wait(self, direct: bool = False) -> None:
-        """Finish the exchange in flight, if any, and apply it (θ_sync ← U(θ_sync, C)); the parameters are
-        θ_sync afterwards, or keep their values with ``direct`` (θ_sync += C). Raises what the exchange
-        raised."""
+        """Finish and apply the exchange in flight; the parameters become θ_sync, or with ``direct`` keep
+        their values (θ_sync += C)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending[0].result()
@@ -315,8 +275,7 @@ class PeriodicSync:
         group: dist.ProcessGroup | None,
         on_final: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Combine the ranks' pseudo-gradients in ``flat`` (tensors of ``counts`` elements back to back) over
-        ``group``, in place; ``on_final`` as for :func:`adasum_allreduce_flat`."""
+        """Combine the ranks' pseudo-gradients in ``flat`` over ``group``, in place."""
         size = world_size(group)
         if size > 1 and self.combine == "adasum":
             adasum_allreduce_flat(flat, counts, group, self.timeout, on_final, self.wire_dtype)
@@ -327,9 +286,8 @@ class PeriodicSync:
             on_final(0, flat.numel())
 
     def _pack(self, base: list[torch.Tensor] | None) -> list[_Packed]:
-        """The pseudo-gradients per dtype and device, packed back to back in one flat buffer: θ − ``base``
-        (θ_sync, or with ``overlap_sync`` the window starts s), or with ``base=None`` the window starts (which
-        hold δ then); with ``overlap_sync`` in the send buffers."""
+        """The pseudo-gradients θ − ``base`` (None: the window starts, holding δ) per dtype and device, packed
+        in one flat buffer."""
         assert self._synced is not None
         buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, p in enumerate(self.params):
@@ -354,8 +312,7 @@ class PeriodicSync:
         return packed
 
     def _update(self, packed: list[_Packed]) -> None:
-        """θ_sync ← θ_sync + C, or the outer optimizer's step with −C as the gradient, for the combined
-        pseudo-gradients C in ``packed``; the parameters are θ_sync afterwards."""
+        """θ_sync ← θ_sync + C, or the outer step with −C as the gradient; the parameters become θ_sync."""
         assert self._synced is not None
         saved_grads = [p.grad for p in self.params]
         for i, delta in _views(self.params, packed):
@@ -382,8 +339,8 @@ class PeriodicSync:
         self._pending = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The position in the window, θ_sync and the outer optimizer's state (the same on every rank); with
-        ``overlap_sync`` the window ends first (:meth:`sync`, every rank)."""
+        """The position in the window, θ_sync and the outer optimizer's state (with ``overlap_sync``, after
+        :meth:`sync` on every rank)."""
         if self.overlap_sync:
             self.sync()
         return {
@@ -393,8 +350,7 @@ class PeriodicSync:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (the parameters themselves are restored elsewhere); an
-        exchange in flight is dropped."""
+        """Restore :meth:`state_dict`'s values (not the parameters); an exchange in flight is dropped."""
         self.close()
         self.steps = int(state["steps"])
         if self._synced is not None and state["synced"] is not None:
@@ -415,13 +371,8 @@ def periodic_sync(
     timeout: timedelta | None,
     overlap_group: dist.ProcessGroup | None,
 ) -> PeriodicSync:
-    """``optimizer``'s local-SGD windows under ``strategy``'s ``sync_every``, ``combine``, ``outer_optimizer``
-    (None, or a callable that builds it from the parameters), ``wire_dtype`` and ``overlap_sync`` (its
-    exchanges on ``overlap_group``), restored from ``restored``.
-
-    Raises:
-        AdasumConfigurationError: on every rank, an outer optimizer over other parameters.
-    """
+    """``optimizer``'s windows under ``strategy``'s local-SGD options, restored from ``restored``. Raises
+    ``AdasumConfigurationError``: on every rank, an outer optimizer over other parameters."""
     params = optimizer_parameters(optimizer)
     outer = None
     if strategy.outer_optimizer is not None:
@@ -460,7 +411,7 @@ _Packed = tuple[list[int], list[int], torch.Tensor]
 
 
 def _views(params: list[torch.Tensor], packed: list[_Packed]) -> Iterator[tuple[int, torch.Tensor]]:
-    """(index, the parameter's slice of the flat buffer in its shape) for each parameter in ``packed``."""
+    """(index, the parameter's slice of the flat buffer in its shape) per parameter in ``packed``."""
     for indices, offsets, flat in packed:
         for i, at in zip(indices, offsets, strict=False):
             yield i, flat[at : at + params[i].numel()].view(params[i].shape)
@@ -478,9 +429,8 @@ def _apply_deltas(
     start: int,
     length: int,
 ) -> None:
-    """θ := θ_sync + Δ, then θ_sync := θ, on the elements ``[start, start + length)`` of the parameters packed
-    back to back (contiguous ``params``; tensor ``i`` at ``offsets[i]``), Δ being ``flat``'s combined
-    pseudo-gradients. Done range by range, each range's second pass reads what the first left in cache."""
+    """θ := θ_sync + Δ, then θ_sync := θ, on the packed elements ``[start, start + length)`` (contiguous
+    ``params``), range by range while the rest is in flight."""
     end = start + length
     i = bisect_right(offsets, start) - 1
     while start < end:

@@ -1,11 +1,5 @@
-"""The 2-D device mesh of Adasum across replica groups, FSDP2 inside each (``torch`` only).
-
-The world is a :class:`~torch.distributed.device_mesh.DeviceMesh` ``replicate × shard``: ``R`` replica
-groups of ``S`` ranks (``init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))``,
-row-major: ranks ``0 … S−1`` are replica group 0). FSDP2 shards the model over ``mesh["shard"]``
-(:mod:`adasum_lightning.sharded`); Adasum combines the replica groups over ``mesh["replicate"]``. Here: the
-rules of the mesh and its options, the two groups of a rank, the broadcasts from replica group 0, and the
-mesh of both APIs' ``fsdp_adasum`` (:class:`ReplicaMesh`).
+"""The 2-D device mesh ``replicate × shard``: FSDP2 shards over ``mesh["shard"]``, Adasum combines over
+``mesh["replicate"]``; ranks ``0 … S−1`` are replica group 0.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 from adasum_lightning.errors import AdasumConfigurationError, reported_on_every_rank
-from adasum_lightning.step import broadcast_from_rank_zero, world_size
+from adasum_lightning.step import broadcast_from_rank_zero
 
 __all__ = [
     "ADASUM_MESH_DIMS",
@@ -34,8 +28,7 @@ __all__ = [
 ]
 
 
-#: The dimension names of the 2-D device mesh of Adasum across replica groups, FSDP2 inside each
-#: (:mod:`adasum_lightning.sharded`): ``replicate`` (the replica groups) first, ``shard`` (a group's ranks).
+#: The dimension names of the 2-D device mesh: the replica groups first, then a group's ranks.
 ADASUM_MESH_DIMS = ("replicate", "shard")
 
 
@@ -44,12 +37,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_shard_size(world_size: int, shard_size: object, owner: str = "fsdp_adasum") -> None:
-    """``shard_size`` (the ranks of one replica group, which FSDP2 shards the model over) is a whole number
-    ≥ 1 that divides ``world_size``: the world is ``world_size // shard_size`` replica groups.
-
-    Raises:
-        AdasumConfigurationError: naming the shard sizes this world size allows.
-    """
+    """``shard_size`` (the ranks of one replica group) is a whole number ≥ 1 dividing ``world_size``. Raises
+    ``AdasumConfigurationError``: naming the shard sizes this world size allows."""
     allowed = ", ".join(str(d) for d in _divisors(max(world_size, 1)))
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise AdasumConfigurationError(
@@ -65,12 +54,8 @@ def check_shard_size(world_size: int, shard_size: object, owner: str = "fsdp_ada
 
 
 def check_adasum_mesh(ndim: int, dim_names: Sequence[str] | None, owner: str = "AdasumOptimizer") -> None:
-    """The device mesh of sharded Adasum is 2-D with the dimensions named ``("replicate", "shard")``
-    (:data:`ADASUM_MESH_DIMS`), replica groups first.
-
-    Raises:
-        AdasumConfigurationError: naming the mesh given and how to build the right one.
-    """
+    """The mesh is 2-D with the dimensions :data:`ADASUM_MESH_DIMS`. Raises ``AdasumConfigurationError``:
+    naming the mesh given and how to build the right one."""
     names = tuple(dim_names) if dim_names is not None else None
     if ndim != 2 or names != ADASUM_MESH_DIMS:
         raise AdasumConfigurationError(
@@ -85,18 +70,11 @@ def check_adasum_mesh(ndim: int, dim_names: Sequence[str] | None, owner: str = "
 def check_mesh_options(
     owner: str, sync_every: int, combine: str, outer_optimizer: bool, process_group: bool = False
 ) -> None:
-    """With a device mesh (Adasum across replica groups, FSDP2 inside) the mesh's ``replicate`` dimension is
-    the group Adasum combines over (no ``process_group`` besides), and every step is combined by Adasum: no
-    local-SGD window, no mean, no outer optimizer (not supported yet).
-
-    Raises:
-        AdasumConfigurationError: naming the option to drop.
-    """
+    """With a mesh, no ``process_group`` besides and every step combined by Adasum (no local SGD yet). Raises
+    ``AdasumConfigurationError``: naming the option to drop."""
     if process_group:
         raise AdasumConfigurationError(
-            f"{owner}: pass either process_group (every rank a replica) or mesh (replica groups of "
-            "FSDP2-sharded ranks), not both: the mesh's 'replicate' dimension is the group Adasum combines "
-            "over."
+            f"{owner}: pass either process_group (every rank a replica) or mesh (replica groups), not both."
         )
     given = [
         *([f"sync_every={sync_every}"] if sync_every != 1 else []),
@@ -115,63 +93,38 @@ def check_mesh_options(
 def replica_groups(
     mesh: DeviceMesh, owner: str = "AdasumOptimizer"
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's ``(replicate_group, shard_group)`` of a 2-D mesh of dimensions ``("replicate", "shard")``.
-
-    The replicate group holds the ranks at this rank's shard position in every replica group (one per group,
-    in replica order); the shard group the ranks of this rank's replica group.
-
-    Raises:
-        AdasumConfigurationError: the mesh is not 2-D or its dimensions are not named
-            ``("replicate", "shard")`` (:func:`check_adasum_mesh`).
-        TypeError: ``mesh`` is not a ``DeviceMesh``.
-    """
+    """This rank's ``(replicate_group, shard_group)`` of ``mesh``. Raises ``AdasumConfigurationError``: the
+    mesh is not 2-D ``("replicate", "shard")``. TypeError: ``mesh`` is not a ``DeviceMesh``."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
-            f"{owner}'s mesh is a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: build "
-            "it with init_device_mesh(device_type, (replica_groups, shard_size), "
-            "mesh_dim_names=('replicate', 'shard'))."
+            f"{owner}'s mesh is a DeviceMesh, got {type(mesh).__name__}: build it with "
+            "init_device_mesh(device_type, (groups, shard_size), mesh_dim_names=('replicate', 'shard'))."
         )
     check_adasum_mesh(mesh.ndim, mesh.mesh_dim_names, owner)
     return mesh.get_group("replicate"), mesh.get_group("shard")
 
 
 def broadcast_from_replica_zero(params: Sequence[torch.Tensor], replicate_group: dist.ProcessGroup) -> None:
-    """Give every replica group replica group 0's parameters, in place: each rank's local shards from the rank
-    at its shard position in group 0, over ``replicate_group`` (empty shards skipped). No-op for one group.
-
-    The shards inside a group come from its own ranks: build the model from the same seed (or load the same
-    checkpoint) on every rank before ``fully_shard``, as FSDP2 itself needs.
-    """
-    if world_size(replicate_group) == 1:
-        return
-    src = dist.get_global_rank(replicate_group, 0)
+    """Give every replica group replica group 0's local shards of ``params``, in place."""
     with torch.no_grad():
-        for p in params:
-            t = p.to_local() if isinstance(p, DTensor) else p.data
-            if t.numel():
-                buffer = t if t.is_contiguous() else t.contiguous()
-                dist.broadcast(buffer, src=src, group=replicate_group)
-                if buffer is not t:
-                    t.copy_(buffer)
+        shards = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    broadcast_from_rank_zero([t for t in shards if t.numel()], replicate_group)
 
 
 def broadcast_module_from_rank_zero(module: Module, replicate_group: dist.ProcessGroup) -> None:
-    """Give every rank rank 0's values of a module that may be sharded already, in place: the local shards
-    of its ``DTensor`` parameters and buffers from replica group 0 (:func:`broadcast_from_replica_zero`),
-    its plain tensors whole from global rank 0. A collective on every rank."""
+    """Give every rank rank 0's values of a module that may be sharded already, in place (a collective)."""
     tensors = [*module.parameters(), *module.buffers()]
     broadcast_from_replica_zero([t for t in tensors if isinstance(t, DTensor)], replicate_group)
     broadcast_from_rank_zero([t for t in tensors if not isinstance(t, DTensor)])
 
 
 class ReplicaMesh:
-    """The 2-D ``("replicate", "shard")`` mesh of both APIs' ``fsdp_adasum``: replica groups of ``shard_size``
-    ranks, row-major (ranks 0…S−1 are group 0); FSDP2 shards over ``mesh["shard"]``."""
+    """The 2-D mesh of both APIs' ``fsdp_adasum`` strategies, mixed into them."""
 
     strategy_name: str
     shard_size: int | None
     _device_mesh: Any = None
-    # the Lightning strategy's, which this class is mixed into
+    # the Lightning strategy's
     global_rank: int
     world_size: int
     num_processes: int
@@ -179,18 +132,14 @@ class ReplicaMesh:
 
     @property
     def device_mesh(self) -> Any:
-        """The ``DeviceMesh``, built when the processes start (:meth:`_build_mesh`).
-
-        Raises:
-            RuntimeError: before the processes started (``fabric.launch()``, ``Trainer.fit``).
-        """
+        """The ``DeviceMesh``; RuntimeError before the processes started."""
         if self._device_mesh is None:
             raise RuntimeError(f"{self.strategy_name}'s device mesh is built when the processes start")
         return self._device_mesh
 
     @property
     def replicate_group(self) -> dist.ProcessGroup:
-        """This rank's group of replicas (one rank per replica group, at this rank's shard position)."""
+        """One rank per replica group, at this rank's shard position."""
         return self.device_mesh.get_group("replicate")
 
     @property
@@ -205,12 +154,7 @@ class ReplicaMesh:
         return groups, shard
 
     def _build_mesh(self) -> None:
-        """The mesh of ``shard_size`` ranks per group (default: the processes per node); call once the
-        process group exists.
-
-        Raises:
-            AdasumConfigurationError: on every rank, a ``shard_size`` that does not divide the world size.
-        """
+        """Build the mesh (``shard_size`` default: the processes per node) once the process group exists."""
         from torch.distributed.device_mesh import init_device_mesh
 
         shard = self.shard_size if self.shard_size is not None else self.num_processes

@@ -33,10 +33,7 @@ __all__ = ["AdasumOptimizer", "identical_gradients_message"]
 
 
 def identical_gradients_message(owner: str) -> str:
-    """The warning when every rank's first gradients are bitwise identical: Adasum then combines nothing.
-
-    Most often a model still wrapped in ``DistributedDataParallel``, else the same batches on every rank.
-    """
+    """The warning when every rank's first gradients are bitwise identical: Adasum then combines nothing."""
     return (
         f"{owner}: every rank's gradients were identical at the first step, so the Adasum of their updates "
         "is one rank's update and Adasum combines nothing. If the model is wrapped in "
@@ -49,68 +46,31 @@ def identical_gradients_message(owner: str) -> str:
 class AdasumOptimizer(Optimizer):
     """Wrap any ``torch.optim`` optimizer so that every ``step()`` combines the ranks' updates by Adasum.
 
-    ``step(closure=None)`` runs the wrapped optimizer's step on this rank's gradients, then replaces the
-    change of every parameter by the Adasum of all ranks' changes over ``process_group``
-    (:func:`adasum_lightning.step.adasum_step`) — the step semantics of ``strategy="ddp_adasum"``: each rank
-    keeps its own optimizer state, every rank holds the same parameters after every step, and the learning
-    rate needs no scaling by world size. At construction every rank takes the first rank's parameter values
-    (as ``DistributedDataParallel`` does), and so do parameters given later to :meth:`add_param_group`.
-
-    The rest is the wrapped optimizer's: ``param_groups`` and ``state`` are its own objects, ``zero_grad``,
-    ``state_dict``/``load_state_dict`` are its own; LR schedulers take the wrapper. Use it as usual:
-
-    - gradient accumulation: call ``step()`` every k-th batch (the ranks must agree on k);
-    - clipping: ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` before ``step()``;
-    - closures (``LBFGS``): ``step(closure)``; the closure runs on this rank only;
-    - ``torch.amp.GradScaler``: ``scaler.step(opt)`` unscales and checks for inf/NaN as usual; a step the
-      scaler skips on this rank takes part with a zero update, so the other ranks do not wait for it.
-
-    Every rank must call ``step()`` the same number of times; a rank that stops stepping leaves the others
-    waiting up to ``timeout``.
-
-    Local SGD / DiLoCo (``sync_every=H`` > 1, or an ``outer_optimizer``): ``step()`` is this rank's alone for
-    H steps, then the ranks' pseudo-gradients are combined (:class:`adasum_lightning.local_sgd.PeriodicSync`).
-    Call :meth:`sync` before evaluating or saving mid-window, so that every rank holds θ_sync;
-    ``state_dict()`` then also holds the window's position and the outer optimizer's state
-    (``"adasum_sync"``). With ``overlap_sync=True`` each window's exchange runs in a worker thread, on a
-    process group of its own (built here over the ranks of ``process_group``), while the next window
-    computes, and is applied one window late; :meth:`sync` and ``state_dict()`` (every rank) finish it.
-
-    Sharded models (``mesh``): Adasum across replica groups, FSDP2 inside each (:mod:`adasum_lightning.
-    sharded`). ``mesh`` is the 2-D ``DeviceMesh`` ``("replicate", "shard")``, the model is sharded with
-    ``fully_shard(..., mesh=mesh["shard"])`` and ``optimizer`` steps its sharded parameters; each step is the
-    group's FSDP2 step, then the Adasum of the groups' deltas per whole parameter
-    (:func:`adasum_lightning.sharded.sharded_adasum_step`). At construction every replica group takes group
-    0's parameters. Every step is combined (no local SGD with a mesh yet).
+    ``step()`` runs the wrapped step on this rank's gradients, then :func:`~adasum_lightning.step.adasum_step`
+    over ``process_group``; every rank calls it the same number of times. ``param_groups``, ``state``,
+    ``zero_grad`` and ``state_dict`` are the wrapped optimizer's. At construction (and in
+    :meth:`add_param_group`) every rank takes rank 0's parameters. A step ``GradScaler`` skips takes part with
+    a zero update. docs/strategies.md describes the options.
 
     Args:
-        optimizer: the optimizer to wrap (any ``torch.optim.Optimizer``).
+        optimizer: the optimizer to wrap.
         process_group: the ranks that combine their updates (default: the default process group).
-        timeout: how long one exchange waits for a peer before this rank fails (default: torch's default
-            process-group timeout, 30 minutes); see :func:`adasum_lightning.adasum_allreduce`.
-        sync_every: local optimizer steps between syncs (1: every step).
-        combine: ``"adasum"`` or ``"mean"``: how the pseudo-gradients are combined.
-        outer_optimizer: None (θ_sync + combined Δ) or an optimizer over the same parameters that takes
-            −(combined Δ) as the gradient of θ_sync (DiLoCo: Nesterov SGD, lr 0.7, momentum 0.9).
-        overlap_sync: with ``sync_every`` > 1, each window's exchange behind the next window's steps
-            (docs/local_sgd.md, "The sync behind compute").
-        mesh: None, or the 2-D device mesh ``("replicate", "shard")`` of a model sharded by FSDP2 over
-            ``mesh["shard"]`` (then no ``process_group``).
-        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece the combination sends is rounded to
-            that dtype; the parameters and optimizer states keep theirs (docs/strategies.md, "Compression").
+        timeout: how long one exchange waits for a peer (default: torch's 30 minutes).
+        sync_every, combine, outer_optimizer, overlap_sync: local SGD / DiLoCo
+            (:class:`~adasum_lightning.local_sgd.PeriodicSync`); call :meth:`sync` before evaluating or saving
+            mid-window.
+        mesh: None, or the 2-D ``("replicate", "shard")`` mesh of a model sharded by FSDP2 over
+            ``mesh["shard"]`` (:func:`~adasum_lightning.sharded.sharded_adasum_step`; no ``process_group``).
+        compression: None, ``"bf16"`` or ``"fp16"``: the dtype every sent piece is rounded to.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is an ``AdasumOptimizer`` already), or
-            ``timeout`` is not a ``timedelta``.
-        RuntimeError: ``torch.distributed`` is not initialised; the message names the fix.
-        AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine`` or ``compression``, an outer
-            optimizer over other parameters, ``overlap_sync`` with ``sync_every=1``; with ``mesh``: a mesh
-            that is not 2-D ``("replicate", "shard")``, parameters not sharded over ``mesh["shard"]``,
-            ``process_group``, or a local-SGD option.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or wrapped already), or ``timeout`` is
+            not a ``timedelta``.
+        RuntimeError: ``torch.distributed`` is not initialised.
+        AdasumConfigurationError: an option out of range, or a mesh, parameters or options that do not fit.
     """
 
-    #: ``GradScaler.step`` then hands the scale and the inf/NaN flag to :meth:`step` (``grad_scale``,
-    #: ``found_inf``) instead of skipping the call, so that a skipped step still takes part in the reduction.
+    #: ``GradScaler.step`` hands ``grad_scale`` and ``found_inf`` to :meth:`step`: skipped steps still reduce.
     _step_supports_amp_scaling = True
 
     def __init__(
@@ -131,15 +91,9 @@ class AdasumOptimizer(Optimizer):
                 "optimizer first, e.g. AdasumOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))."
             )
         if isinstance(optimizer, AdasumOptimizer):
-            raise TypeError(
-                "this optimizer is already an AdasumOptimizer: wrap the torch.optim optimizer once (a second "
-                "wrapper would reduce every update twice)."
-            )
+            raise TypeError("already an AdasumOptimizer: wrap the torch.optim optimizer once.")
         if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(
-                f"timeout is a datetime.timedelta, e.g. timedelta(minutes=5); got {timeout!r} "
-                f"({type(timeout).__name__})"
-            )
+            raise TypeError(f"timeout is a datetime.timedelta, e.g. timedelta(minutes=5); got {timeout!r}")
         check_sync_every(sync_every, combine, "AdasumOptimizer", overlap_sync=overlap_sync)
         self.wire_dtype = check_wire_compression(compression, "AdasumOptimizer")
         check_outer_optimizer_form("AdasumOptimizer", outer_optimizer, builder=False)
@@ -152,9 +106,8 @@ class AdasumOptimizer(Optimizer):
             )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
-                "AdasumOptimizer needs torch.distributed: call torch.distributed.init_process_group() "
-                "before building it (torchrun sets its variables; backend 'gloo' on CPU, 'nccl' on GPU). For "
-                "a single process, use the optimizer itself."
+                "AdasumOptimizer needs torch.distributed: call torch.distributed.init_process_group() before "
+                "building it, or use the optimizer itself in a single process."
             )
         self.mesh = mesh
         #: With a mesh: this rank's (replicate group, shard group); None otherwise.
@@ -168,8 +121,7 @@ class AdasumOptimizer(Optimizer):
         self.optimizer = optimizer
         self.process_group = process_group
         self.timeout = timeout
-        # Optimizer.__init__ gives the wrapper its step hooks and profiling; then the wrapper shares the
-        # wrapped optimizer's param_groups list and state (add_param_group below tells the two phases apart).
+        # Optimizer.__init__ gives the wrapper its step hooks; then it shares the wrapped groups and state.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._share_wrapped_state()
         self._broadcast(optimizer_parameters(optimizer))
@@ -183,15 +135,10 @@ class AdasumOptimizer(Optimizer):
         if sync_every > 1 and combine == "adasum" and outer_optimizer is None and dist.get_rank() == 0:
             warnings.warn(local_sgd_without_outer_message("AdasumOptimizer", sync_every), stacklevel=2)
 
-    # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """The wrapped optimizer's step on this rank, then the Adasum of the parameter updates over the group.
-
-        Returns:
-            What the wrapped optimizer's ``step`` returns (the closure's loss, if any); None for a step that a
-            gradient scaler skipped.
-        """
+        """The wrapped optimizer's step on this rank, then the Adasum of the updates; returns the wrapped
+        step's value (None for a step a gradient scaler skipped)."""
         # Set by GradScaler.step (see _step_supports_amp_scaling) and removed by it after this call.
         grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
@@ -199,10 +146,18 @@ class AdasumOptimizer(Optimizer):
         def local_step() -> Any:
             if found_inf is not None and bool(found_inf.item()):
                 return None  # inf/NaN gradients on this rank: no local update, a zero delta
-            if grad_scale is not None:
-                if getattr(self.optimizer, "_step_supports_amp_scaling", False):
-                    return self._step_with_scale_handed_on(grad_scale, found_inf)  # e.g. fused Adam
-                self._unscale_gradients(grad_scale)
+            if grad_scale is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                # e.g. fused Adam unscales in its own kernel: hand the two attributes on
+                self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
+                try:
+                    return self.optimizer.step()
+                finally:
+                    del self.optimizer.grad_scale, self.optimizer.found_inf
+            if grad_scale is not None:  # as GradScaler: × the float32 reciprocal of the float64 scale
+                inv_scale = grad_scale.double().reciprocal().float()
+                for p in optimizer_parameters(self.optimizer):
+                    if p.grad is not None:
+                        p.grad.mul_(inv_scale.to(p.grad.device))
             if closure is None:
                 return self.optimizer.step()
             with torch.enable_grad():
@@ -218,9 +173,7 @@ class AdasumOptimizer(Optimizer):
         return self._periodic.step(local_step)
 
     def sync(self) -> None:
-        """End the local-SGD window now (every rank at the same step; with ``overlap_sync`` the exchange in
-        flight first): the ranks' parameters become θ_sync. Nothing to do when every step is combined
-        (``sync_every=1`` without an outer optimizer)."""
+        """End the local-SGD window now (every rank at the same step): the parameters become θ_sync."""
         self._periodic.sync()
 
     def _periodic_sync(self) -> PeriodicSync:
@@ -239,10 +192,8 @@ class AdasumOptimizer(Optimizer):
         )
 
     def _warn_if_gradients_identical(self, params: list[torch.Tensor]) -> None:
-        # One all_gather of two float64 numbers per rank (the sum and the sum of squares of the gradients),
-        # once: equal on every rank means bitwise-equal gradients, e.g. averaged by DistributedDataParallel.
-        # With a mesh: the local gradient shards over the replicate group (equal shards in every replica group
-        # mean the groups' gradients were averaged, e.g. by fully_shard on the whole 2-D mesh).
+        # Once: all_gather of each rank's float64 sum and sum of squares of the gradients (with a mesh: the
+        # local shards over the replicate group); equal everywhere means averaged gradients, e.g. by DDP.
         group = self.process_group if self.replica_groups is None else self.replica_groups[0]
         grads = [p.grad for p in params if p.grad is not None]
         if world_size(group) == 1 or not grads:
@@ -259,22 +210,6 @@ class AdasumOptimizer(Optimizer):
         if all(torch.equal(f, gathered[0]) for f in gathered) and first:
             warnings.warn(identical_gradients_message("AdasumOptimizer"), stacklevel=3)
 
-    def _step_with_scale_handed_on(self, grad_scale: torch.Tensor, found_inf: torch.Tensor | None) -> Any:
-        # An optimizer that unscales in its own kernel takes the two attributes as GradScaler gives them.
-        self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
-        try:
-            return self.optimizer.step()
-        finally:
-            del self.optimizer.grad_scale, self.optimizer.found_inf
-
-    def _unscale_gradients(self, grad_scale: torch.Tensor) -> None:
-        # GradScaler's own unscaling multiplies by the float32 reciprocal of the float64 scale.
-        inv_scale = grad_scale.double().reciprocal().float()
-        for p in optimizer_parameters(self.optimizer):
-            if p.grad is not None:
-                p.grad.mul_(inv_scale.to(p.grad.device))
-
-    # ------------------------------------------------------------------------------------------ delegation
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -289,7 +224,6 @@ class AdasumOptimizer(Optimizer):
         self._periodic = self._periodic_sync()
 
     def _broadcast(self, params: list[torch.Tensor]) -> None:
-        # every rank (with a mesh: every replica group) takes the first one's values
         if self.replica_groups is None:
             broadcast_from_rank_zero(params, self.process_group)
         else:

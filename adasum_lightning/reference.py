@@ -1,7 +1,6 @@
 """The reference Adasum operator in pure PyTorch: the arithmetic of Horovod's MPI Adasum allreduce.
 
-Tests check the collectives against it, and the simulator uses it without processes. Sources: Maleki et al.,
-"Scaling Distributed Training with Adaptive Summation", MLSys 2021 (the operator); Horovod 0.28.1
+Sources: Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021; Horovod 0.28.1
 ``horovod/common/ops/adasum/adasum.h`` (float64 accumulation, the ``sqrt(DBL_MIN)`` guard, the pairing).
 """
 
@@ -15,8 +14,7 @@ import torch
 
 __all__ = ["adasum", "adasum_reduce", "is_power_of_two", "nearest_powers_of_two", "ADASUM_NORM_EPS"]
 
-#: Squared norms below this count as zero (coefficient 1, so a zero update gives no NaN): Horovod's
-#: ``std::sqrt(DBL_MIN)`` ≈ 1.49e-154.
+#: Squared norms below this count as zero (coefficient 1): Horovod's ``std::sqrt(DBL_MIN)``.
 ADASUM_NORM_EPS: float = math.sqrt(sys.float_info.min)
 
 
@@ -34,16 +32,9 @@ def nearest_powers_of_two(n: int) -> list[int]:
 
 
 def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Adasum of two tensors of the same shape: ``(1 - a·b / (2‖a‖²))·a + (1 - a·b / (2‖b‖²))·b``.
+    """Adasum of two tensors of one shape: ``(1 - a·b / (2‖a‖²))·a + (1 - a·b / (2‖b‖²))·b`` (``a``'s dtype).
 
-    Orthogonal inputs give ``a + b``, identical ones ``a``. One coefficient pair per tensor, from float64 dot
-    products; a coefficient is 1 when its squared norm is below :data:`ADASUM_NORM_EPS`.
-
-    Args:
-        a, b: tensors of one shape, floating dtype (float16, bfloat16, float32 or float64), one device.
-
-    Returns:
-        A tensor of ``a``'s shape and dtype.
+    Dot products in float64; a coefficient is 1 when its squared norm is below :data:`ADASUM_NORM_EPS`.
 
     Raises:
         ValueError: the shapes differ or a dtype is not floating point.
@@ -63,21 +54,10 @@ def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def adasum_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Adasum over ``N ≥ 1`` workers' tensors, in the order of the distributed allreduces.
+    """Adasum over the ranks' ``tensors`` in the allreduce's order; ValueError for none.
 
-    For ``N = 2**k``, Horovod's order: neighbours first, ``adasum(adasum(x0, x1), adasum(x2, x3))`` for four.
-    Otherwise (Horovod refuses it; :func:`adasum_lightning.allreduce.adasum_allreduce` defines it), with ``P``
-    the largest power of 2 ≤ ``N``, every ``x[r]`` with ``r ≥ P`` is first folded into ``x[r - P]``; three
-    ranks give ``adasum(adasum(x0, x2), x1)``.
-
-    Args:
-        tensors: one tensor per rank, in rank order; all of one shape and floating dtype.
-
-    Returns:
-        The reduced tensor (shape and dtype of the inputs).
-
-    Raises:
-        ValueError: no tensor is given (or from :func:`adasum`).
+    Neighbours first (``adasum(adasum(x0, x1), adasum(x2, x3))``); with ``P`` the largest power of 2 ≤ ``N``,
+    ``x[r]`` for ``r ≥ P`` is first folded into ``x[r - P]`` (three give ``adasum(adasum(x0, x2), x1)``).
     """
     items = list(tensors)
     if not items:

@@ -1,11 +1,5 @@
-"""The Adasum step, once for every training loop: capture, local step, deltas, Adasum, write back.
-
-The Trainer's and Fabric's ``ddp_adasum`` and :class:`~adasum_lightning.AdasumOptimizer` update the
-parameters through :func:`adasum_step`, differing only in their local step; :class:`BackwardAdasumStep`
-gives the same parameters bucket by bucket during backward. Semantics (Horovod 0.28.1's
-``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``): every rank steps its own optimizer from the
-same θ, giving ``d_r = θ_r − θ``, then sets ``θ := θ + Adasum(d_0, …, d_{N−1})`` (Maleki et al., MLSys 2021).
-The rules of the step's options are here too: ``compression`` and ``overlap_backward``.
+"""The Adasum step, once for every training loop: every rank steps from the same θ, then
+``θ := θ + Adasum(θ_r − θ)`` (Horovod 0.28.1's ``_DistributedAdasumOptimizer``).
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from adasum_lightning.allreduce import adasum_allreduce_flat, workspace
+from adasum_lightning.allreduce import adasum_allreduce_flat, buckets, workspace
 from adasum_lightning.errors import AdasumConfigurationError
 
 __all__ = [
@@ -36,8 +30,7 @@ __all__ = [
     "overlap_fallback_reason",
 ]
 
-#: The ``torch.optim`` optimizers whose step updates each parameter from its own gradient and state alone, so
-#: that stepping the parameters bucket by bucket gives the parameters of one whole step, bitwise.
+#: ``torch.optim`` optimizers that update each parameter from its own gradient and state alone.
 PER_PARAMETER_OPTIMIZERS: tuple[type[Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -60,8 +53,7 @@ def world_size(group: dist.ProcessGroup | None = None) -> int:
 
 
 def optimizer_parameters(optimizer: Optimizer) -> list[torch.Tensor]:
-    """Every parameter of ``optimizer``'s param groups, in group order, each once (frozen ones included:
-    their delta is zero)."""
+    """Every parameter of ``optimizer``'s param groups, in order, each once (frozen ones included)."""
     seen: dict[int, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -74,11 +66,8 @@ WIRE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.flo
 
 
 def check_wire_compression(compression: object, owner: str) -> torch.dtype | None:
-    """``compression``: None (off), ``"bf16"`` or ``"fp16"``; returns the wire dtype (None: off).
-
-    Raises:
-        AdasumConfigurationError: any other value; the message names the accepted ones.
-    """
+    """The wire dtype of ``compression`` (None, ``"bf16"`` or ``"fp16"``). Raises
+    ``AdasumConfigurationError``: any other value."""
     if compression not in (None, *WIRE_DTYPES):
         raise AdasumConfigurationError(
             f"{owner}'s compression is None (off), 'bf16' or 'fp16' (every piece the combination sends "
@@ -94,37 +83,18 @@ def adasum_step(
     timeout: timedelta | None = None,
     wire_dtype: torch.dtype | None = None,
 ) -> T:
-    """Run ``local_step`` (this rank's optimizer step), then replace its update of ``params`` by the Adasum of
-    every rank's update: ``θ := θ_before + Adasum(θ_after − θ_before over the ranks)``.
+    """Run ``local_step`` (this rank's optimizer step), then ``θ := θ_before + Adasum(θ_after − θ_before)``.
 
-    Every rank of ``group`` calls this for the same ``params`` at the same step; a rank whose local step
-    changes nothing (a skipped step, no gradient) contributes a zero delta, which Adasum leaves out. The
-    local step runs on a flat copy of ``params`` per dtype and device (kept between steps, per thread), so the
-    parameters' own storage keeps ``θ_before``; the deltas are reduced in that copy in place. The arithmetic
-    is the plain step's, so the parameters are the same bitwise. Memory: one flat copy of ``params`` and the
-    reduction's receive buffer.
-
-    Args:
-        params: the parameters the local step may change (floating-point; any layout).
-        local_step: runs the local step; its return value is returned.
-        group: the process group (default: the default group); at world size 1, ``local_step()`` alone.
-        timeout: how long one exchange waits for a peer (see :func:`adasum_lightning.adasum_allreduce`).
-        wire_dtype: None, or the dtype every sent piece is rounded to (see
-            :func:`adasum_lightning.allreduce.adasum_allreduce_flat`).
-
-    Raises:
-        TypeError: a parameter's dtype is not one the reduction supports (the message names it).
-        RuntimeError: from ``torch.distributed`` when a peer is lost or does not answer within ``timeout``.
+    Every rank of ``group`` calls this for the same ``params`` at the same step (a rank that changes nothing
+    contributes a zero delta). The local step runs on a flat copy of ``params`` per dtype and device, kept per
+    thread, so the parameters' own storage keeps θ_before. At world size 1: ``local_step()`` alone.
+    ``timeout``, ``wire_dtype`` and the errors raised: as for :func:`~adasum_lightning.adasum_allreduce`.
     """
     if world_size(group) == 1:
         return local_step()
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for p in params:
-        if p.numel():
-            buckets.setdefault((p.dtype, p.device), []).append(p)
     with contextlib.ExitStack() as stack:
         swapped = []
-        for (dtype, device), bucket in buckets.items():
+        for (dtype, device), bucket in buckets([p for p in params if p.numel()]).items():
             work = workspace(sum(p.numel() for p in bucket), dtype, device, "step-work")
             pieces = _views(work, bucket)
             own = stack.enter_context(_stepping_on_copy(bucket, work, pieces))
@@ -142,11 +112,7 @@ def adasum_step(
 
 
 def check_overlap_backward(overlap_backward: object, bucket_cap_mb: object, strategy_name: str) -> None:
-    """``overlap_backward`` is a bool and ``bucket_cap_mb`` a positive number of MiB.
-
-    Raises:
-        ValueError: either is off; the message names the accepted values.
-    """
+    """Raises ValueError unless ``overlap_backward`` is a bool and ``bucket_cap_mb`` a positive number."""
     if not isinstance(overlap_backward, bool):
         raise ValueError(
             f"{strategy_name}'s overlap_backward is True (step and reduce bucket by bucket during the "
@@ -171,14 +137,8 @@ def overlap_fallback_reason(
 ) -> str | None:
     """Why ``overlap_backward=True`` must take the whole step after backward, or None when it need not.
 
-    Args:
-        automatic_optimization: the LightningModule's ``automatic_optimization``.
-        optimizer: the optimizer's class name.
-        per_parameter: whether it is one of :data:`adasum_lightning.step.PER_PARAMETER_OPTIMIZERS`.
-        gradient_clipping: how gradients are clipped (e.g. ``"gradient_clip_val=1.0"``); None: not clipped.
-        gradient_scaler: fp16 mixed precision's ``GradScaler`` is in use.
-        precision_plugin: the precision plugin's class name when it runs the step its own way, else None.
-        before_step_hooks: overrides between backward and the step, as ``Class.hook``.
+    ``gradient_clipping`` (e.g. ``"gradient_clip_val=1.0"``) and ``precision_plugin`` (a class name) are None
+    when unused; ``before_step_hooks``: overrides between backward and the step, as ``Class.hook``.
     """
     if not automatic_optimization:
         return "manual optimization calls backward and step itself"
@@ -204,10 +164,8 @@ class _Bucket:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.work = torch.empty(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-        )
         self.counts = [p.numel() for p in params]
+        self.work = torch.empty(sum(self.counts), dtype=params[0].dtype, device=params[0].device)
         self.pieces = _views(self.work, params)
         self.own: list[torch.Tensor] = []  # the parameters' own storage (θ_before) while in flight
         self.ids = {id(p) for p in params}
@@ -217,24 +175,13 @@ class _Bucket:
 
 
 class BackwardAdasumStep:
-    """:func:`adasum_step` bucket by bucket during ``loss.backward()``, as Horovod's Adasum optimizer steps
-    parameter by parameter (``_DistributedAdasumOptimizer``, ``horovod/torch/optimizer.py``).
+    """:func:`adasum_step` bucket by bucket during ``loss.backward()``, as Horovod's Adasum optimizer.
 
-    The trainable parameters, in reverse order, are cut into buckets of one dtype and device of at least
-    ``bucket_bytes`` (as DDP's). While :attr:`armed`, a bucket whose gradients are all accumulated steps alone
-    on its flat copy and a worker thread reduces the buckets in bucket order on ``group`` while backward goes
-    on; :meth:`finish` steps the buckets backward left incomplete and waits. The parameters of
-    :func:`adasum_step` bitwise, for a per-parameter optimizer (:data:`PER_PARAMETER_OPTIMIZERS`) without a
-    closure and with gradients unchanged between backward and the step. At construction every rank takes
-    the first rank's parameter values.
-
-    Args:
-        optimizer: the local optimizer (not wrapped by :class:`~adasum_lightning.AdasumOptimizer`).
-        group: the process group of the reduction; the worker thread is its only user (e.g.
-            ``dist.new_group(backend=dist.get_backend())``, built on every rank).
-        bucket_bytes: a bucket is closed once it holds this many bytes or more.
-        timeout: how long one exchange waits for a peer (see :func:`adasum_lightning.adasum_allreduce`).
-        wire_dtype: as for :func:`adasum_step`.
+    The trainable parameters, in reverse order, form buckets of one dtype and device of at least
+    ``bucket_bytes``. While :attr:`armed`, a bucket whose gradients have all arrived steps on its flat copy
+    and a worker thread reduces it on ``group`` (its only user); :meth:`finish` steps the rest and waits.
+    Bitwise :func:`adasum_step` for :data:`PER_PARAMETER_OPTIMIZERS`. At construction every rank takes rank
+    0's parameters.
     """
 
     def __init__(
@@ -246,24 +193,18 @@ class BackwardAdasumStep:
         wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.optimizer, self.group, self.timeout, self.wire_dtype = optimizer, group, timeout, wire_dtype
-        #: While True, a completed bucket steps and is reduced; backward passes outside a step (a gradient
-        #: accumulation window, manual backward) leave the parameters alone.
+        #: While True, a completed bucket steps (False: accumulation or manual backward passes).
         self.armed = True
         trainable = [p for p in optimizer_parameters(optimizer) if p.requires_grad and p.numel()][::-1]
-        self.buckets: list[_Bucket] = []
-        current: list[torch.Tensor] = []
-        size = 0
-        for p in trainable:
-            if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
+        cut: list[list[torch.Tensor]] = []
+        size, key = 0, None
+        for p in trainable:  # a new bucket once full, or at another dtype or device
+            if size >= bucket_bytes or (p.dtype, p.device) != key:
+                cut.append([])
+                size, key = 0, (p.dtype, p.device)
+            cut[-1].append(p)
             size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+        self.buckets = [_Bucket(params) for params in cut]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._trainable = self._trainable_ids()
         broadcast_from_rank_zero(optimizer_parameters(optimizer), group)
@@ -276,12 +217,8 @@ class BackwardAdasumStep:
 
     def finish(self) -> None:
         """Step the buckets backward left incomplete, then wait until every bucket is reduced and written.
-
-        Raises:
-            RuntimeError: from ``torch.distributed`` in the worker (a peer lost, a timeout); or, after the
-                step, when the optimizer's trainable parameters are no longer those the buckets were built
-                for (the message names the fix).
-        """
+        Raises ``RuntimeError``: from ``torch.distributed`` in the worker; or the trainable parameters
+        changed."""
         for bucket in self.buckets:
             if bucket.arrived < len(bucket.params):
                 self._step(bucket)
@@ -308,8 +245,7 @@ class BackwardAdasumStep:
         return [id(p) for p in optimizer_parameters(self.optimizer) if p.requires_grad and p.numel()]
 
     def close(self) -> None:
-        """Remove the gradient hooks and stop the worker thread (the buffers go with the object). After a step
-        that failed half way the worker may be waiting for a peer: it is left to end with its timeout."""
+        """Remove the gradient hooks and stop the worker thread (left to its timeout after a failed step)."""
         for handle in self._hooks:
             handle.remove()
         self._closed = True
@@ -368,10 +304,8 @@ class BackwardAdasumStep:
 def _stepping_on_copy(
     params: list[torch.Tensor], work: torch.Tensor, pieces: list[torch.Tensor]
 ) -> Iterator[list[torch.Tensor]]:
-    """Copy ``params`` into the flat buffer ``work`` and, inside the block, make each parameter's ``.data``
-    its piece of it (``pieces``: ``work`` cut like ``params``); yields the parameters' own storage, which
-    keeps the values from before the block. On leaving (also by an exception) the parameters get their own
-    storage back; ``work`` then holds the values the block left."""
+    """Inside the block each parameter's ``.data`` is its piece of ``work`` (a copy of ``params``); yields the
+    parameters' own storage (the values before), given back on leaving."""
     with torch.no_grad():
         torch.cat([p.detach().reshape(-1) for p in params], out=work)
     own = [p.data for p in params]
@@ -394,11 +328,7 @@ def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor
 
 
 def broadcast_from_rank_zero(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
-    """Give every rank of ``group`` the values of its first rank, in place (no-op at world size 1).
-
-    ``bool`` tensors travel as ``uint8`` (Gloo has no bool broadcast); non-contiguous tensors through a
-    contiguous copy.
-    """
+    """Give every rank of ``group`` its first rank's values, in place (``bool`` as ``uint8`` for Gloo)."""
     if world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0) if group is not None else 0

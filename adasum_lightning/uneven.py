@@ -1,13 +1,11 @@
-"""Uneven inputs: every rank stops an epoch at the same batch, the shortest rank's count.
-
-Every Adasum (or averaging) step is a collective, so a rank out of batches would leave the others waiting
-until the process group's timeout. Needs ``torch`` only; the Trainer strategies wrap their training loaders in
-:class:`EvenBatches` (``uneven_inputs=``). Details: docs/uneven_inputs_and_resume.md.
+"""Uneven inputs: every rank stops an epoch at the shortest rank's batch count, so no rank waits for the
+others in a collective (docs/uneven_inputs_and_resume.md).
 """
 
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -25,11 +23,7 @@ class UnevenInputsError(RuntimeError):
 
 
 def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:
-    """``uneven_inputs`` of a strategy or ``EvenBatches``: ``"truncate"`` or ``"error"``; ``owner`` names it.
-
-    Raises:
-        ValueError: anything else, naming the two values.
-    """
+    """Raises ValueError unless ``value`` is ``"truncate"`` or ``"error"``."""
     if value not in ("truncate", "error"):
         raise ValueError(
             f"{owner}'s uneven_inputs must be 'truncate' (every rank stops an epoch at the shortest rank's "
@@ -39,30 +33,18 @@ def check_uneven_inputs(value: str, owner: str = "EvenBatches") -> str:
 
 
 def uneven_message(name: str, counts: list[str], stop: int, refuse: bool) -> str:
-    """The warning (``refuse=False``) or the error text for these per-rank counts.
-
-    Args:
-        counts: each rank's count as text: ``"5"``, or ``"more than 4"`` for an iterable rank cut short.
-    """
+    """The warning, or with ``refuse`` the error, for per-rank ``counts`` (``"5"``, ``"more than 4"``)."""
     listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-    fix = (
-        "Give every rank the same number of batches to use all the data (a DistributedSampler — in "
-        "Lightning, use_distributed_sampler=True — or equal shards of an IterableDataset)"
-    )
+    fix = "Give every rank the same number of batches (a DistributedSampler, or equal shards)"
     if refuse:
         return (
-            f"the ranks have different numbers of {name} batches ({listed}), and uneven_inputs='error' was "
-            f"asked for. {fix}, or pass uneven_inputs='truncate' to stop every rank after the shortest count."
+            f"the ranks have different numbers of {name} batches ({listed}). {fix}, or pass "
+            "uneven_inputs='truncate' to stop every rank after the shortest count."
         )
     return (
         f"the ranks have different numbers of {name} batches ({listed}): every rank stops this epoch after "
-        f"{stop} batches, the shortest count, so that no rank waits for the others in the update. {fix}, or "
-        "pass uneven_inputs='error' to refuse this."
+        f"{stop} batches, the shortest count. {fix}, or pass uneven_inputs='error' to refuse this."
     )
-
-
-def _iterable_dataset(loader: Iterable) -> bool:
-    return isinstance(getattr(loader, "dataset", None), IterableDataset)
 
 
 def _length(loader: Iterable) -> int | None:
@@ -75,23 +57,18 @@ def _length(loader: Iterable) -> int | None:
 class EvenBatches:
     """``loader``'s batches, cut so that every rank of ``group`` yields the same number per epoch.
 
-    A sized loader's counts are compared once per epoch; an iterable one (or a ``DataLoader`` over an
-    ``IterableDataset``) agrees on each next batch, a batch ahead. Attribute access goes to ``loader``;
-    ``len()`` is the agreed count of a sized loader. Every rank must iterate it at the same time.
+    A sized loader's counts are compared once per epoch; an iterable one agrees on each next batch, a batch
+    ahead. Attributes are ``loader``'s; every rank iterates it at the same time.
 
     Args:
         loader: a ``DataLoader`` or any iterable of batches.
-        group: the process group (default: the default group); at world size 1 it is ``loader`` as is.
-        uneven_inputs: ``"truncate"`` (default: every rank stops at the shortest count, with a warning) or
-            ``"error"`` (raise on every rank).
-        name: what the batches are for, in the messages (``"training"``).
-        on_uneven: called on every rank with the warning text when the counts differ and ``uneven_inputs`` is
-            ``"truncate"``; default: ``warnings.warn`` on the group's first rank, once.
+        group: the process group (default: the default group).
+        uneven_inputs: ``"truncate"`` (stop at the shortest count, with a warning) or ``"error"``.
+        name: what the batches are for, in the messages.
+        on_uneven: called on every rank with the warning (default: ``warnings.warn`` on rank 0, once).
 
     Raises:
-        ValueError: an unknown ``uneven_inputs``.
-        UnevenInputsError: on every rank, when the counts differ and ``uneven_inputs="error"``: for a sized
-            loader before the epoch's first batch, for an iterable one when the first rank runs out.
+        UnevenInputsError: on every rank, when the counts differ and ``uneven_inputs="error"``.
     """
 
     def __init__(
@@ -110,7 +87,6 @@ class EvenBatches:
         if self._agreed is not None and world_size(group) > 1:
             self._agreed = self._agree_on_length()
 
-    # ------------------------------------------------------------------------------------------ properties
     def __getattr__(self, name: str) -> Any:
         if name == "loader":  # not set yet (during unpickling)
             raise AttributeError(name)
@@ -121,7 +97,6 @@ class EvenBatches:
             raise TypeError(f"{type(self.loader).__name__} has no len(): its batch count is agreed per step")
         return self._agreed
 
-    # ------------------------------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         if world_size(self.group) == 1:
             yield from self.loader
@@ -129,7 +104,8 @@ class EvenBatches:
             yield from self._agree_per_step()
         else:
             self._agreed = self._agree_on_length()
-            if _iterable_dataset(self.loader):  # its len() is a promise: agree per step too, up to it
+            # an IterableDataset's len() is a promise: agree per step too, up to it
+            if isinstance(getattr(self.loader, "dataset", None), IterableDataset):
                 yield from self._agree_per_step(self._agreed)
             else:
                 yield from itertools.islice(self.loader, self._agreed)
@@ -143,10 +119,12 @@ class EvenBatches:
         return stop
 
     def _agree_per_step(self, limit: int | None = None) -> Iterator[Any]:
-        # The agreement on batch i + 1 runs while batch i trains: fetched and sent before batch i is yielded,
-        # waited for when batch i + 1 is asked for, so the step does not wait for it.
+        # The agreement on batch i + 1 runs while batch i trains.
         iterator = iter(self.loader) if limit is None else itertools.islice(self.loader, limit)
-        yielded, device = 0, self._device()
+        yielded = 0
+        device = torch.device("cpu")
+        if dist.get_backend(self.group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
 
         def fetch() -> tuple[Any, torch.Tensor, Any]:
             batch = next(iterator, _END)
@@ -175,8 +153,6 @@ class EvenBatches:
 
     def _warn_once(self, message: str) -> None:
         if not self._warned and dist.get_rank(self.group) == 0:
-            import warnings
-
             warnings.warn(message, stacklevel=3)
         self._warned = True
 
@@ -184,11 +160,6 @@ class EvenBatches:
         gathered: list[Any] = [None] * world_size(self.group)
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
-
-    def _device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
 
 _END = object()

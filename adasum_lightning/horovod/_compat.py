@@ -1,5 +1,5 @@
-"""The private Horovod APIs the strategies use, checked by :func:`adasum_lightning._private_apis.missing`
-(``tests/test_compat.py``). Read from Horovod 0.28.1; imports neither Horovod nor Lightning."""
+"""The private Horovod 0.28.1 APIs the strategies use (checked by ``tests/test_compat.py``); imports neither
+Horovod nor Lightning."""
 
 from __future__ import annotations
 
@@ -57,10 +57,7 @@ def horovod_requires_update(optimizer: Optimizer) -> list[Any]:
 
 
 def horovod_completes_window(optimizer: Optimizer, param: Any) -> bool:
-    """True when this backward pass ends ``param``'s accumulation window in Horovod's Adasum optimizer.
-
-    Its hook counts ``_allreduce_delay`` down to 0, then runs the local step at once.
-    """
+    """True when this backward pass ends ``param``'s accumulation window (the hook then steps at once)."""
     return optimizer._allreduce_delay.get(param) == 1
 
 
@@ -76,12 +73,10 @@ _HOROVOD_METHODS = ("zero_grad", "synchronize", "skip_synchronize", "set_backwar
 
 
 def route_horovod_methods_to(optimizer: Any) -> None:
-    """Make Horovod's optimizer methods act on ``optimizer`` itself when called through a wrapper.
+    """Rebind Horovod's optimizer methods to ``optimizer`` itself (its class is its own).
 
-    ``LightningOptimizer``'s and Fabric's wrapper's classes subclass the optimizer's, so Horovod's
-    ``super(self.__class__, self).zero_grad()`` would recurse without end (manual optimization's
-    ``opt.zero_grad()``), and ``synchronize`` would flag the wrapper. The class is ``optimizer``'s own
-    (Horovod builds one per ``DistributedOptimizer`` call), so its methods are rebound to ``optimizer``.
+    Lightning's and Fabric's wrappers subclass the optimizer's class, so Horovod's
+    ``super(self.__class__, self).zero_grad()`` would recurse without end through them.
     """
     cls = type(optimizer)
     for name in _HOROVOD_METHODS:

@@ -1,10 +1,8 @@
-"""``adasum-horovodrun``: ``horovodrun`` that passes SIGTERM, SIGINT and SIGHUP on to the job's ``mpirun``.
+"""``adasum-horovodrun``: ``horovodrun`` that passes SIGTERM, SIGINT and SIGHUP on to the job's ``mpirun``,
+with the Open MPI settings of :mod:`adasum_lightning.failure_detection`.
 
-Usage: ``horovodrun``'s arguments, e.g. ``adasum-horovodrun -np 8 -H host1:4,host2:4 python train.py``. It
-also sets the Open MPI settings of :mod:`adasum_lightning.failure_detection` (``OMPI_MCA_*``, unless set).
-
-Why: ``horovodrun`` ends as ``/bin/sh -c "mpirun …"`` (https://github.com/horovod/horovod/pull/931); where
-``/bin/sh`` is dash, a SIGTERM to it kills only that shell and the ranks train on (docs/launching.md).
+``horovodrun`` ends as ``/bin/sh -c "mpirun …"``; where ``/bin/sh`` is dash a SIGTERM kills only that shell
+(docs/launching.md).
 """
 
 from __future__ import annotations
@@ -24,12 +22,7 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def find_horovodrun() -> str:
-    """``horovodrun`` next to this Python (the environment Horovod was built into), else on ``PATH``.
-
-    Raises:
-        FileNotFoundError: naming the build command and ``ddp_adasum``
-            (:func:`adasum_lightning.horovod.support.missing_horovod_message`).
-    """
+    """``horovodrun`` next to this Python, else on ``PATH``; FileNotFoundError naming the build command."""
     beside = Path(sys.executable).with_name("horovodrun")
     if beside.exists():
         return str(beside)
@@ -64,8 +57,8 @@ def _signal_targets(child: int) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``horovodrun`` with ``argv`` and forward termination signals to the job; returns its exit status
-    (128 + N when it died of signal N), or 2 without a traceback when Horovod is not installed."""
+    """Run ``horovodrun`` with ``argv``, forwarding termination signals; returns its exit status (128 + N for
+    signal N; 2 when Horovod is missing)."""
     from adasum_lightning.failure_detection import mpi_env
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -1,12 +1,5 @@
 """Horovod without Lightning: importing it, the build command when it is missing, and the rules of its launch,
-its Adasum and its optimizer (each a pure function whose error names the fix; ``strategy_name`` and ``api``
-only name the strategy and the Lightning API in it).
-
-Imports no Lightning package, so every copy of the strategies imports it as it is. Sources for the rules
-(Horovod 0.28.1): ``horovod/torch/mpi_ops.py`` (CPU Adasum: power-of-2 world size),
-``horovod/common/ops/adasum_gpu_operations.cc`` and ``docs/adasum_user_guide.rst`` (NCCL Adasum: homogeneous
-power-of-2 nodes), ``horovod/common/operations.cc`` (Adasum for MPI only), ``horovod/torch/optimizer.py`` (the
-local step runs in the backward hook; ``gradient_predivide_factor`` needs op=Average).
+its Adasum and its optimizer (read from Horovod 0.28.1).
 """
 
 from __future__ import annotations
@@ -54,13 +47,7 @@ HOROVOD_BUILD_PACKAGE = "adasum_lightning.aml.horovod_build"
 def missing_horovod_message(
     what: str, alternative: str = "strategy='ddp_adasum'", python: str | None = None
 ) -> str:
-    """The one message for a missing Horovod: the installed build script's command, or ``alternative``.
-
-    Args:
-        what: what is missing, e.g. ``"horovodrun (Horovod's launcher)"``.
-        alternative: what needs no Horovod.
-        python: the environment's interpreter (default: this one).
-    """
+    """The message for a missing Horovod: the build script's command, or ``alternative``."""
     python = python or sys.executable
     try:
         script = importlib.resources.files(HOROVOD_BUILD_PACKAGE).joinpath("build_horovod.sh")
@@ -74,11 +61,7 @@ def missing_horovod_message(
 
 
 def import_horovod() -> Any:
-    """Import ``horovod.torch`` or raise an ``ImportError`` that names the fix.
-
-    Raises:
-        ImportError: Horovod is missing, or was built without its PyTorch extension.
-    """
+    """Import ``horovod.torch``, or raise an ``ImportError`` that names the build command."""
     try:
         import horovod.torch as hvd
     except ImportError as err:
@@ -87,10 +70,7 @@ def import_horovod() -> Any:
 
 
 def needs_closure(optimizer: Optimizer) -> bool:
-    """True when the optimizer's own ``step`` has a ``closure`` without a default (e.g. LBFGS).
-
-    Horovod's wrapper classes define ``step(closure=None)`` for every optimizer, so the wrapped class decides.
-    """
+    """True when the wrapped optimizer's ``step`` requires a ``closure`` (e.g. LBFGS)."""
     for cls in type(optimizer).__mro__:
         if "step" in vars(cls) and not cls.__module__.startswith("horovod."):
             try:
@@ -112,19 +92,8 @@ def check_launch(
     api: str = "Trainer",
     strategy_name: str = "a Horovod strategy",
 ) -> None:
-    """A Horovod strategy in a process that Horovod sees alone, though more were meant to train together.
-
-    Under ``torchrun``, ``srun`` or plain ``python`` each process is a Horovod world of 1 and trains alone.
-
-    Args:
-        horovod_size: ``hvd.size()``.
-        launcher: :func:`adasum_lightning.launch_environment.detect_launcher` (None for a plain start).
-        requested_devices: the ``devices`` the ``Trainer`` (or ``Fabric``) was given.
-
-    Raises:
-        AdasumConfigurationError: a world of 1 while the launcher started N > 1 processes or ``devices`` asks
-            for N > 1; the message names the launcher seen and ``horovodrun -np N``.
-    """
+    """A world of 1 under a launcher that started N > 1 processes, or ``devices`` > 1. Raises
+    ``AdasumConfigurationError``: naming the launcher seen and ``horovodrun -np N``."""
     if horovod_size != 1:
         return
     if launcher is not None and launcher.processes > 1:
@@ -146,56 +115,35 @@ def check_launch(
 
 
 def check_controller(*, mpi_built: bool, mpi_enabled: bool, gloo_enabled: bool) -> None:
-    """Adasum exists for Horovod's MPI controller only.
-
-    Args:
-        mpi_built, mpi_enabled, gloo_enabled: ``hvd.mpi_built()``, ``hvd.mpi_enabled()``,
-            ``hvd.gloo_enabled()``.
-
-    Raises:
-        AdasumConfigurationError: Horovod without MPI, or the Gloo controller (``horovodrun --gloo``).
-    """
+    """Adasum exists for Horovod's MPI controller only. Raises ``AdasumConfigurationError``: Horovod without
+    MPI, or the Gloo controller."""
     if not mpi_built:
         raise AdasumConfigurationError(
-            "horovod_adasum needs Horovod built with MPI (Adasum exists only for the MPI controller); this "
-            "Horovod has no MPI support. Rebuild it with `make setup` (HOROVOD_WITH_MPI=1), or use "
-            "strategy='horovod' (averaging works with Gloo)."
+            "horovod_adasum needs Horovod built with MPI: rebuild it with `make setup` (HOROVOD_WITH_MPI=1), "
+            "or use strategy='horovod'."
         )
     if gloo_enabled or not mpi_enabled:
         raise AdasumConfigurationError(
-            "horovod_adasum needs the MPI controller, but this job runs under Gloo (horovodrun --gloo), "
-            "where Horovod has no Adasum operation. Launch with `horovodrun --mpi -np N ...` or "
-            "`mpirun -np N ...`, or use strategy='horovod' (averaging works with Gloo)."
+            "horovod_adasum needs the MPI controller, but this job runs under Gloo (horovodrun --gloo): "
+            "launch `horovodrun --mpi -np N ...` or `mpirun -np N ...`, or use strategy='horovod'."
         )
 
 
 def check_cpu_operations(
     *, mpi_enabled: bool, cpu_operations: str | None, strategy_name: str = "a Horovod strategy"
 ) -> None:
-    """Gloo CPU operations under the MPI controller crash Horovod (a segfault in a collective).
-
-    Args:
-        mpi_enabled: ``hvd.mpi_enabled()``.
-        cpu_operations: the ``HOROVOD_CPU_OPERATIONS`` environment variable (None when unset).
-
-    Raises:
-        AdasumConfigurationError: MPI controller with ``HOROVOD_CPU_OPERATIONS=gloo``.
-    """
+    """Gloo CPU operations under the MPI controller crash Horovod in a collective. Raises
+    ``AdasumConfigurationError``: ``HOROVOD_CPU_OPERATIONS=gloo`` under MPI."""
     if mpi_enabled and cpu_operations is not None and cpu_operations.strip().lower() == "gloo":
         raise AdasumConfigurationError(
-            f"{strategy_name} cannot run with HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (mpirun / "
-            "horovodrun --mpi): Horovod's Gloo collectives crash there (segmentation fault). Unset "
-            "HOROVOD_CPU_OPERATIONS (or set it to mpi), or launch with horovodrun --gloo and "
-            "strategy='horovod'."
+            f"{strategy_name} cannot run with HOROVOD_CPU_OPERATIONS=gloo under the MPI controller (it "
+            "crashes Horovod): unset HOROVOD_CPU_OPERATIONS, or launch horovodrun --gloo, strategy='horovod'."
         )
 
 
 def check_world_size(size: int) -> None:
-    """CPU (MPI) Adasum needs a power-of-2 world size; Horovod would fail in the first step otherwise.
-
-    Raises:
-        AdasumConfigurationError: naming the nearest valid sizes.
-    """
+    """CPU (MPI) Adasum needs a power-of-2 world size. Raises ``AdasumConfigurationError``: naming the nearest
+    valid sizes."""
     if not is_power_of_two(size):
         raise AdasumConfigurationError(
             f"horovod_adasum needs a world size that is a power of 2 (1, 2, 4, 8, …) for Adasum over MPI; "
@@ -205,24 +153,13 @@ def check_world_size(size: int) -> None:
 
 
 def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
-    """NCCL GPU Adasum needs a power-of-2 node count and GPUs per node, the same on every node.
-
-    Args:
-        size: world size (processes in the job).
-        local_sizes: every rank's ``hvd.local_size()``, in rank order.
-
-    Returns:
-        A warning text for a single node (Adasum then averages inside the node), else None.
-
-    Raises:
-        AdasumConfigurationError: heterogeneous nodes, or a node count or local size not a power of 2.
-    """
+    """NCCL Adasum needs power-of-2 nodes of the same power-of-2 GPU count (``local_sizes``: per rank);
+    returns a warning for a single node, else None. Raises ``AdasumConfigurationError`` otherwise."""
     distinct = sorted(set(local_sizes))
     if len(distinct) != 1:
         raise AdasumConfigurationError(
-            f"horovod_adasum with NCCL needs the same number of processes on every node; found {distinct} "
-            "processes per node. Launch one process per GPU with the same GPU count on every node "
-            "(e.g. horovodrun -H host1:4,host2:4)."
+            f"horovod_adasum with NCCL needs the same number of processes on every node; found {distinct}: "
+            "launch the same GPU count on every node (e.g. horovodrun -H host1:4,host2:4)."
         )
     local = distinct[0]
     if not is_power_of_two(local):
@@ -238,44 +175,30 @@ def check_nccl_topology(size: int, local_sizes: Sequence[int]) -> str | None:
         )
     if nodes == 1 and local > 1:
         return (
-            f"horovod_adasum with NCCL on a single node: Horovod averages inside a node and applies Adasum "
-            f"only across nodes, so this job averages its {local} GPUs' updates; the learning rate is "
-            f"multiplied by {local} (GPUs per node), as for averaging."
+            f"horovod_adasum with NCCL on a single node averages its {local} GPUs' updates; the learning "
+            f"rate is multiplied by {local}, as for averaging (Horovod applies Adasum only across nodes)."
         )
     return None
 
 
 def check_compression(compression: str) -> str:
-    """``compression`` of a Horovod strategy: ``"none"`` or ``"fp16"`` (Horovod's ``Compression.fp16``).
-
-    Raises:
-        ValueError: any other value.
-    """
+    """Raises ValueError unless ``compression`` is ``"none"`` or ``"fp16"``."""
     if compression not in ("none", "fp16"):
         raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
     return compression
 
 
 def check_gradient_predivide_factor(factor: float) -> None:
-    """``gradient_predivide_factor`` splits an *average*; Adasum has none.
-
-    Raises:
-        AdasumConfigurationError: for any factor other than 1.
-    """
+    """Raises AdasumConfigurationError for a factor other than 1: it splits an average, Adasum has none."""
     if float(factor) != 1.0:
         raise AdasumConfigurationError(
-            f"horovod_adasum cannot use gradient_predivide_factor={factor}: it splits gradient averaging and "
-            "Adasum does not average (Horovod raises deep inside otherwise). Leave it at 1, or use "
-            "strategy='horovod'."
+            f"horovod_adasum cannot use gradient_predivide_factor={factor} (Adasum does not average): leave "
+            "it at 1, or use strategy='horovod'."
         )
 
 
 def check_no_local_sgd(options: Iterable[str], strategy_name: str) -> None:
-    """The Horovod strategies take none of ``sync_every``, ``combine``, ``outer_optimizer``.
-
-    Raises:
-        AdasumConfigurationError: naming the options given and ``ddp_adasum``, which has them.
-    """
+    """Raises AdasumConfigurationError for local-SGD ``options``: Horovod reduces in every backward."""
     given = sorted(set(options) & {"sync_every", "combine", "outer_optimizer"})
     if given:
         raise AdasumConfigurationError(
@@ -286,118 +209,62 @@ def check_no_local_sgd(options: Iterable[str], strategy_name: str) -> None:
 
 
 def check_precision(precision: str) -> None:
-    """fp16 mixed precision (GradScaler) cannot work with Horovod's Adasum; ``"bf16-mixed"`` works.
-
-    The scaler unscales and skips steps after backward, but the local step already ran inside backward on the
-    scaled gradients: NaN loss (https://github.com/horovod/horovod/issues/3429).
-
-    Raises:
-        AdasumConfigurationError: for ``"16-mixed"`` (Lightning's name for ``precision=16``).
-    """
+    """Raises AdasumConfigurationError for ``"16-mixed"``: its scaler acts after the local step."""
     if str(precision) in ("16-mixed", "16"):
         raise AdasumConfigurationError(
-            "horovod_adasum cannot use precision='16-mixed': its gradient scaler unscales gradients and "
-            "skips overflowing steps after backward, but Adasum's local step already ran inside backward "
-            "on the scaled gradients (NaN loss, Horovod #3429). Use precision='bf16-mixed', or "
-            "strategy='horovod'."
+            "horovod_adasum cannot use precision='16-mixed': its gradient scaler acts after Adasum's local "
+            "step ran inside backward. Use precision='bf16-mixed', or strategy='horovod'."
         )
 
 
 def check_gradient_clipping(value: float | None, algorithm: str | None) -> None:
-    """Norm clipping cannot take effect with Horovod's Adasum; value clipping is applied inside the hook.
-
-    The norm needs every gradient before any update; Adasum updates each parameter as its gradient is ready.
-
-    Raises:
-        AdasumConfigurationError: ``gradient_clip_val`` set with ``gradient_clip_algorithm="norm"``.
-    """
+    """Raises AdasumConfigurationError for norm clipping: the local step runs before the norm is known."""
     if value is None or float(value) <= 0:
         return
     if str(algorithm or "norm").lower() == "norm":
         raise AdasumConfigurationError(
-            f"horovod_adasum cannot clip gradients by norm (gradient_clip_val={value}): Adasum's local step "
-            "updates each parameter inside backward, before the norm over all parameters is known. Use "
-            "gradient_clip_algorithm='value' (applied to each gradient before its local step), or "
+            f"horovod_adasum cannot clip gradients by norm (gradient_clip_val={value}): the local step runs "
+            "in backward, before the norm is known. Use gradient_clip_algorithm='value' or "
             "strategy='horovod'."
         )
 
 
 def check_closure_optimizers(strategy_name: str, optimizers_needing_closure: Sequence[str]) -> None:
-    """Horovod's Adasum cannot run an optimizer whose ``step`` requires a closure (e.g. ``LBFGS``).
-
-    Its optimizer runs the wrapped ``step()`` inside each parameter's backward hook, without a closure.
-
-    Args:
-        optimizers_needing_closure: class names of the optimizers whose ``step`` has a required ``closure``.
-
-    Raises:
-        AdasumConfigurationError: naming those optimizers and the strategies that can run them.
-    """
+    """Raises AdasumConfigurationError for optimizers whose ``step`` needs a closure (run in a hook)."""
     if optimizers_needing_closure:
         names = ", ".join(sorted(set(optimizers_needing_closure)))
         raise AdasumConfigurationError(
-            f"{strategy_name} cannot use {names}: its step() needs a closure (it re-evaluates the loss), but "
-            "Horovod's Adasum optimizer runs the local step inside backward, without one. Use "
-            "strategy='ddp_adasum' (the local step runs after the closure, then the deltas are combined) or "
-            "strategy='horovod' (averaging)."
+            f"{strategy_name} cannot use {names}: its step() needs a closure, and Horovod's Adasum optimizer "
+            "steps inside backward without one. Use strategy='ddp_adasum' or strategy='horovod'."
         )
 
 
 def check_horovod_dtypes(strategy_name: str, device_type: str, dtypes: Iterable[torch.dtype]) -> None:
-    """Horovod 0.28.1's CPU collectives have no bfloat16: bfloat16 parameters cannot be reduced on CPU.
-
-    Args:
-        device_type: the parameters' device (``"cpu"``, ``"cuda"``); GPUs are not checked.
-        dtypes: the dtypes of the parameters that require a gradient.
-
-    Raises:
-        AdasumConfigurationError: a bfloat16 parameter on CPU (``precision="bf16-true"`` or a bfloat16 model).
-    """
+    """Raises AdasumConfigurationError for bfloat16 parameters on CPU: Horovod's CPU collectives lack it."""
     if device_type == "cpu" and torch.bfloat16 in set(dtypes):
         raise AdasumConfigurationError(
-            f"{strategy_name} cannot reduce bfloat16 parameters on CPU (precision='bf16-true' or a bfloat16 "
-            "model): Horovod 0.28.1's CPU collectives have no bfloat16 type. Use precision='bf16-mixed' "
-            "(float32 weights, bfloat16 compute), or strategy='ddp_adasum', which reduces bfloat16."
+            f"{strategy_name} cannot reduce bfloat16 parameters on CPU (Horovod's CPU collectives lack it). "
+            "Use precision='bf16-mixed', or strategy='ddp_adasum'."
         )
 
 
 def check_skipped_backward_passes(
     strategy_name: str, strategy_class: str, skipped: int, backward_passes_per_step: int
 ) -> None:
-    """``fabric.no_backward_sync`` may skip at most ``backward_passes_per_step`` − 1 passes before a step.
-
-    Horovod's hooks cannot be paused: they reduce at the ``backward_passes_per_step``-th pass since a step.
-
-    Raises:
-        AdasumConfigurationError: ``skipped`` ≥ ``backward_passes_per_step``; the message names the setting.
-    """
+    """Raises AdasumConfigurationError when ``skipped`` ≥ ``backward_passes_per_step`` (hooks never pause)."""
     if skipped < backward_passes_per_step:
         return
-    passes = "pass" if skipped == 1 else "passes"
     raise AdasumConfigurationError(
-        f"{strategy_name} cannot skip the gradient reduction of {skipped} backward {passes} before "
-        "optimizer.step() (fabric.no_backward_sync(model, enabled=True)): Horovod's hooks cannot be paused, "
-        f"they reduce as soon as backward_passes_per_step={backward_passes_per_step} backward pass(es) have "
-        "run since the last step. Give the strategy the number of backward passes per optimizer step, e.g. "
-        f"Fabric(strategy={strategy_class}(backward_passes_per_step={skipped + 1})); a shorter window is "
-        "reduced at optimizer.step()."
+        f"{strategy_name} cannot skip the reduction of {skipped} backward pass(es) (no_backward_sync): "
+        f"Horovod's hooks reduce after backward_passes_per_step={backward_passes_per_step}. Pass "
+        f"Fabric(strategy={strategy_class}(backward_passes_per_step={skipped + 1}))."
     )
 
 
 def clipping_refused(strategy_name: str, algorithm: str, value: float) -> AdasumConfigurationError:
-    """The error for ``fabric.clip_gradients`` under Horovod's Adasum, whose local step ran inside backward.
-
-    Args:
-        algorithm: ``"norm"`` for ``max_norm``, ``"value"`` for ``clip_val``.
-    """
-    if algorithm == "norm":
-        what = f"clip gradients by norm (fabric.clip_gradients(max_norm={value}))"
-        why = "before the norm over all parameters is known"
-    else:
-        what = f"clip gradients by value (fabric.clip_gradients(clip_val={value}))"
-        why = "so clipping afterwards would change nothing"
+    """The error for ``fabric.clip_gradients`` under Horovod's Adasum (``algorithm``: "norm" or "value")."""
+    what = f"by norm (max_norm={value})" if algorithm == "norm" else f"by value (clip_val={value})"
     return AdasumConfigurationError(
-        f"{strategy_name} cannot {what}: Horovod's Adasum optimizer takes each parameter's local step "
-        f"inside fabric.backward, {why}. Use Fabric(strategy='ddp_adasum') (its local step runs in "
-        "optimizer.step(), after clipping), or strategy='horovod'."
+        f"{strategy_name} cannot clip gradients {what}: Horovod's Adasum optimizer steps inside "
+        "fabric.backward, before clipping. Use Fabric(strategy='ddp_adasum'), or strategy='horovod'."
     )

@@ -78,7 +78,8 @@ def main() -> None:
     else:
         dist.init_process_group("gloo", timeout=timeout)
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        optimizer = AdasumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        optimizer = AdasumOptimizer(sgd, timeout=timeout)  # its exchanges' limit (default: 30 minutes)
         sampler = DistributedSampler(data, shuffle=True, seed=100)
         loader = DataLoader(data, batch_size=4, sampler=sampler)
         state = {"step": 0, "epoch": 0}

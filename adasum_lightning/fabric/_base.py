@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
-import torch
-from lightning_fabric.accelerators import Accelerator
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning_fabric.strategies import DDPStrategy
-from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from adasum_lightning._namespaces import register
@@ -25,38 +20,23 @@ class UpdateReducingDDPStrategy(DDPStrategy):
     """Fabric's ``DDPStrategy`` without ``DistributedDataParallel``; subclasses reduce the update.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
-            timeout, start_method: as for ``DDPStrategy``.
         compression: None, ``"bf16"`` or ``"fp16"``: the dtype of every piece the reduction sends.
+        **kwargs: ``DDPStrategy``'s (``accelerator``, ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision``, ``process_group_backend``, ``timeout``, ``start_method``).
 
     Raises:
         AdasumConfigurationError: an unknown ``compression``.
+        TypeError: a keyword argument of ``DistributedDataParallel`` (the module is not wrapped).
     """
 
     strategy_name: str = ""
 
-    def __init__(
-        self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        compression: str | None = None,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+    def __init__(self, compression: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self._ddp_kwargs:
+            raise TypeError(
+                f"{type(self).__name__} got unexpected keyword arguments {sorted(self._ddp_kwargs)}"
+            )
         self.compression = compression
         self.wire_dtype = check_wire_compression(compression, self.strategy_name)
 

@@ -16,15 +16,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
+from adasum_lightning import local_sgd
 from adasum_lightning.checkpoint import Filter
-from adasum_lightning.local_sgd import (
-    PeriodicSync,
-    check_outer_optimizer_form,
-    check_sync_every,
-    close_windows,
-    local_sgd_without_outer_message,
-    periodic_sync,
-)
 from adasum_lightning.replicas import prepare_unwrapped_module
 from adasum_lightning.step import adasum_step, optimizer_parameters
 
@@ -66,14 +59,15 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self._backward_sync_control = _LocalGradientsSyncControl()
-        check_sync_every(sync_every, combine, self.strategy_name, overlap_sync=overlap_sync)
-        check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
+        local_sgd.check_sync_every(sync_every, combine, self.strategy_name, overlap_sync=overlap_sync)
+        local_sgd.check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
         self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
         self.overlap_sync = overlap_sync
         self._overlap_group: dist.ProcessGroup | None = None  # overlap_sync's worker thread's
-        self._periodic: dict[int, PeriodicSync] = {}  # per optimizer (by id), in the order of first steps
+        # per optimizer (by id), in the order of first steps
+        self._periodic: dict[int, local_sgd.PeriodicSync] = {}
         self._restored_periodic: list[dict[str, Any]] = []
 
     @property
@@ -84,7 +78,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.sync_every > 1 and self.combine == "adasum" and self.outer_optimizer is None:
-            rank_zero_warn(local_sgd_without_outer_message(self.strategy_name, self.sync_every))
+            rank_zero_warn(local_sgd.local_sgd_without_outer_message(self.strategy_name, self.sync_every))
         if self.overlap_sync and self.world_size > 1:  # a collective: every rank builds it here
             timeout = _compat.process_group_timeout(self)
             self._overlap_group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
@@ -97,7 +91,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
 
     @override
     def teardown(self) -> None:
-        close_windows(self._periodic)
+        local_sgd.close_windows(self._periodic)
         if self._overlap_group is not None:
             dist.destroy_process_group(self._overlap_group)
             self._overlap_group = None
@@ -111,11 +105,10 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         if self._every_step:
             return adasum_step(optimizer_parameters(optimizer), local_step, None, timeout, self.wire_dtype)
         if id(optimizer) not in self._periodic:
-            restored, built = self._restored_periodic, len(self._periodic)
-            state = restored[built] if len(restored) > built else None
-            self._periodic[id(optimizer)] = periodic_sync(
-                self, optimizer, state, timeout, self._overlap_group
-            )
+            restored, count = self._restored_periodic, len(self._periodic)
+            state = restored[count] if len(restored) > count else None
+            built = local_sgd.periodic_sync(self, optimizer, state, timeout, self._overlap_group)
+            self._periodic[id(optimizer)] = built
         return self._periodic[id(optimizer)].step(local_step)
 
     def end_windows(self) -> None:
@@ -125,11 +118,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
 
     @override
     def save_checkpoint(
-        self,
-        path: Any,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: Filter | None = None,
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Filter | None = None
     ) -> None:
         """End the windows (the file holds the synced parameters), then rank 0 saves."""
         self.end_windows()
@@ -155,7 +144,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         rank_zero_info(ckpt.resume_line(type(self).__name__, path, step, saved, self.world_size))
         if ckpt.PERIODIC_SYNC_STATES in remainder:
             self._restored_periodic = remainder.pop(ckpt.PERIODIC_SYNC_STATES)
-            close_windows(self._periodic)
+            local_sgd.close_windows(self._periodic)
         return remainder
 
 

@@ -16,20 +16,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
+import adasum_lightning.sharded as sharding
 from adasum_lightning.checkpoint import Filter, _is_stateful
 from adasum_lightning.errors import reported_on_every_rank
 from adasum_lightning.mesh import ReplicaMesh, broadcast_module_from_rank_zero, check_mesh_options
 from adasum_lightning.replicas import prepare_unwrapped_module
-from adasum_lightning.sharded import (
-    check_optimizer_of_sharded_module,
-    full_state_dict,
-    load_full_state_dict,
-    local_shards,
-    optimizer_state_to_local,
-    optimizer_state_to_shards,
-    shard_module,
-    sharded_adasum_step,
-)
 from adasum_lightning.step import optimizer_parameters
 
 from . import _compat
@@ -95,7 +86,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         sharded = dict(module.named_parameters())
         for optimizer in optimizers:
             with reported_on_every_rank(self.global_rank):
-                check_optimizer_of_sharded_module(self.strategy_name, 0, 0, has_state=bool(optimizer.state))
+                has_state = bool(optimizer.state)
+                sharding.check_optimizer_of_sharded_module(self.strategy_name, 0, 0, has_state=has_state)
             for group in optimizer.param_groups:
                 group["params"] = [sharded.get(names.get(id(p), ""), p) for p in group["params"]]
         return (module, [self.setup_optimizer(o) for o in optimizers], *scheduler)
@@ -107,7 +99,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
             broadcast_module_from_rank_zero(module, self.replicate_group)
         else:
             prepare_unwrapped_module(self, module)
-        shard_module(module, self.device_mesh["shard"], self.mp_policy)
+        sharding.shard_module(module, self.device_mesh["shard"], self.mp_policy)
         self._sharded_parameters.update(id(p) for p in module.parameters())
         return module
 
@@ -117,7 +109,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         params = optimizer_parameters(optimizer)
         stale = sum(1 for p in params if id(p) not in self._sharded_parameters)
         with reported_on_every_rank(self.global_rank):
-            check_optimizer_of_sharded_module(self.strategy_name, stale, len(params))
+            sharding.check_optimizer_of_sharded_module(self.strategy_name, stale, len(params))
         return optimizer
 
     @override
@@ -125,36 +117,32 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         """Fabric's local step in this replica group (FSDP2), then the Adasum of the deltas across groups."""
         params = optimizer_parameters(optimizer)
         with reported_on_every_rank(self.global_rank):
-            local_shards(params, self.shard_group, self.strategy_name)
+            sharding.local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(super().optimizer_step, optimizer, **kwargs)
         timeout = _compat.process_group_timeout(self)
         groups = self.replicate_group, self.shard_group
-        return sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
+        return sharding.sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """The whole module's state (every rank gathers over its shard group: a collective)."""
-        return full_state_dict(module, self.shard_group if self._device_mesh is not None else None)
+        return sharding.full_state_dict(module, self.shard_group if self._device_mesh is not None else None)
 
     @override
     def load_module_state_dict(
         self, module: Module, state_dict: dict[str, Any | torch.Tensor], strict: bool = True
     ) -> None:
         """Each rank copies its chunk of the whole saved tensors into its shards."""
-        load_full_state_dict(module, state_dict, self.shard_group, strict=strict)
+        sharding.load_full_state_dict(module, state_dict, self.shard_group, strict=strict)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's optimizer state, its shards as plain tensors."""
-        return optimizer_state_to_local(optimizer.state_dict())
+        return sharding.optimizer_state_to_local(optimizer.state_dict())
 
     @override
     def save_checkpoint(
-        self,
-        path: Any,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: Filter | None = None,
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Filter | None = None
     ) -> None:
         """The file of the whole model and every rank's optimizer shard, or with ``"sharded"`` the folder."""
         if self.state_dict_type == "full":
@@ -279,7 +267,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
 
         def load_optimizer(key: str, optimizer: Optimizer, value: Any) -> None:
             optimizer.load_state_dict(own.get(key, value))
-            optimizer_state_to_shards(optimizer, self.shard_group, whole=saved_mesh is None)
+            sharding.optimizer_state_to_shards(optimizer, self.shard_group, whole=saved_mesh is None)
 
         def load_module(module: Module, value: Any) -> None:
             self.load_module_state_dict(module, value, strict=strict)

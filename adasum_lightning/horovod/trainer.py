@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.strategies import StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
@@ -87,11 +86,7 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
 
     @override
     def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         """Horovod's reduction of the step (``hvd.DistributedOptimizer``).
 
@@ -167,11 +162,10 @@ class HorovodAdasumStrategy(HorovodStrategy):
 
 
 def _clamp_on_last_pass(optimizer: Optimizer, clip_value: float, param: Tensor) -> None:
-    # Horovod decrements its per-parameter countdown in its own hook, after this one.
+    # Horovod counts the pass down in its own hook, after this one
     if _compat.horovod_completes_window(optimizer, param) and param.grad is not None:
         param.grad.clamp_(-clip_value, clip_value)
 
 
-# Registered by name with the StrategyRegistry on import: Trainer(strategy="horovod_adasum").
 for _strategy in (HorovodAdasumStrategy, HorovodStrategy):
     _strategy.register_strategies(StrategyRegistry)

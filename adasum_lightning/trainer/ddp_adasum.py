@@ -141,11 +141,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
 
     @override
     def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         """Lightning's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
         overlap = self.overlap_backward and self._overlap_group is not None

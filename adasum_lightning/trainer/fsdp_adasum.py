@@ -7,27 +7,18 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
+import adasum_lightning.sharded as sharding
 from adasum_lightning.allreduce import release_workspace
 from adasum_lightning.errors import reported_on_every_rank
 from adasum_lightning.launch_environment import check_strategy_world_size
 from adasum_lightning.mesh import ReplicaMesh, broadcast_module_from_rank_zero, check_mesh_options
 from adasum_lightning.replicas import make_parameters_contiguous
-from adasum_lightning.sharded import (
-    full_state_dict,
-    load_full_state_dict,
-    local_shards,
-    optimizer_state_to_local,
-    optimizer_state_to_shards,
-    shard_module,
-    sharded_adasum_step,
-)
 from adasum_lightning.step import check_wire_compression, optimizer_parameters
 
 from . import _compat
@@ -99,7 +90,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         else:
             make_parameters_contiguous(self.model)
             _compat.sync_module_states(self.model)
-        shard_module(self.model, self.device_mesh["shard"], self.mp_policy)
+        sharding.shard_module(self.model, self.device_mesh["shard"], self.mp_policy)
 
     @override
     def _describe_reduction(self) -> str:
@@ -112,20 +103,16 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
 
     @override
     def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         """Lightning's local step in this replica group, then the Adasum of the deltas across the groups."""
         params = optimizer_parameters(optimizer)
         with reported_on_every_rank(self.global_rank):
-            local_shards(params, self.shard_group, self.strategy_name)
+            sharding.local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
         timeout = _compat.process_group_timeout(self)
         groups = self.replicate_group, self.shard_group
-        output = sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
+        output = sharding.sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
         self._deliver_pending_sigterm()
         return output
 
@@ -170,13 +157,13 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         if self.state_dict_type == "sharded":
             return ckpt.sharded_model_state(self.lightning_module, keep_plain=self.is_global_zero)
         shard_group = self.shard_group if self._device_mesh is not None else None
-        return full_state_dict(self.lightning_module, shard_group)
+        return sharding.full_state_dict(self.lightning_module, shard_group)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's optimizer state, its shards as plain tensors (``"sharded"``: as ``DTensor``)."""
         state = super().optimizer_state(optimizer)
-        return state if self.state_dict_type == "sharded" else optimizer_state_to_local(state)
+        return state if self.state_dict_type == "sharded" else sharding.optimizer_state_to_local(state)
 
     @override
     def save_checkpoint(
@@ -240,7 +227,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         if self._sharded_path is not None:
             ckpt.load_sharded_model_state(self.lightning_module, self._sharded_path, "model.", strict=strict)
         else:
-            load_full_state_dict(
+            sharding.load_full_state_dict(
                 self.lightning_module, checkpoint["state_dict"], self.shard_group, strict=strict
             )
 
@@ -256,7 +243,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         self._rank_file_fallback = saved_mesh is None  # a whole state stands in for another; a shard does not
         super().load_optimizer_state_dict(checkpoint)
         for optimizer in self.optimizers:
-            optimizer_state_to_shards(optimizer, self.shard_group, whole=saved_mesh is None)
+            sharding.optimizer_state_to_shards(optimizer, self.shard_group, whole=saved_mesh is None)
 
     def _load_sharded_optimizers(self, checkpoint: Any) -> None:
         """Replica group ``q`` takes saved group ``q mod R_old``'s optimizer state, resharded to this mesh."""

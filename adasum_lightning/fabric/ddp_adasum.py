@@ -30,10 +30,8 @@ __all__ = ["DDPAdasumStrategy"]
 class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     """Fabric's DDP strategy with Adasum of parameter deltas instead of gradient averaging.
 
-    ``optimizer.step()`` runs Fabric's local step, then every rank sets ``θ = θ_before + Adasum(deltas)``
-    (:func:`adasum_lightning.step.adasum_step`), as the Trainer's ``ddp_adasum``. The module is not wrapped:
-    ``fabric.setup`` gives every rank the first rank's parameters and buffers, gradients stay local, and
-    ``fabric.no_backward_sync`` has nothing to skip.
+    ``optimizer.step()`` runs Fabric's local step, then the Adasum of the deltas, as the Trainer's
+    ``ddp_adasum``. The module is not wrapped: gradients stay local.
 
     Args:
         sync_every, combine, outer_optimizer, overlap_sync: local SGD, as for the Trainer's ``ddp_adasum``; a
@@ -43,8 +41,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             ``compression``).
 
     Raises:
-        AdasumConfigurationError: on every rank, before the first step: a bad launch, a module on several
-            devices or already wrapped, ``SyncBatchNorm`` on CPU; when built, an invalid local-SGD setting.
+        AdasumConfigurationError: an invalid local-SGD setting; on every rank, a bad launch or module.
     """
 
     strategy_name = "ddp_adasum"

@@ -32,11 +32,8 @@ __all__ = ["FSDPAdasumStrategy"]
 class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     """Adasum across replica groups of ``shard_size`` ranks, each group training a model sharded by FSDP2.
 
-    The semantics of the Trainer's ``fsdp_adasum`` (docs/fsdp_adasum.md). ``fabric.setup`` gives every rank
-    rank 0's parameters and buffers, shards the model on ``mesh["shard"]`` (a model already holding FSDP2
-    modules at the root only) and rebinds an optimizer built before to the sharded parameters.
-    ``fabric.no_backward_sync`` skips FSDP2's reduce-scatter. ``fabric.save`` writes the whole model and
-    each rank's optimizer shard beside it (``"full"``), or a ``torch.distributed.checkpoint`` folder.
+    The Trainer's ``fsdp_adasum`` (docs/fsdp_adasum.md). ``fabric.setup`` shards the model and rebinds an
+    optimizer built before to the sharded parameters; ``fabric.no_backward_sync`` skips the reduce-scatter.
 
     Args:
         shard_size, mp_policy, state_dict_type, sync_every, combine, outer_optimizer: as for the Trainer's
@@ -45,9 +42,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
             ``compression``).
 
     Raises:
-        AdasumConfigurationError: on every rank, before the first step: a ``shard_size`` that does not divide
-            the world size, a bad launch or module, an optimizer over the parameters before sharding, a full
-            checkpoint of another mesh, ``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``.
+        AdasumConfigurationError: on every rank, before the first step: an invalid option, launch or module,
+            an optimizer over the parameters before sharding, a full checkpoint of another mesh.
     """
 
     strategy_name = "fsdp_adasum"

@@ -121,11 +121,8 @@ class HorovodEnvironment(ClusterEnvironment):
 class HorovodStrategy(HorovodProcess, DDPStrategy):
     """Fabric with Horovod's gradient averaging: one process per device, started by ``horovodrun``/``mpirun``.
 
-    ``fabric.setup`` gives every rank the first rank's parameters and buffers and wraps each optimizer in
-    ``hvd.DistributedOptimizer(op=hvd.Average)``. ``optimizer.step()`` and ``fabric.clip_gradients`` wait for
-    the gradient allreduce first. ``setup_optimizer`` scales the learning rates (``lr_scaling``): build
-    schedulers after ``fabric.setup``. ``fabric.no_backward_sync`` counts the skipped passes against
-    ``backward_passes_per_step`` (Horovod's hooks cannot be paused).
+    Each optimizer is wrapped in ``hvd.DistributedOptimizer(op=hvd.Average)``; ``setup_optimizer`` scales
+    its learning rates (build schedulers after ``fabric.setup``).
 
     Args:
         lr_scaling: ``"auto"`` (× world size here), ``"none"`` or a positive factor.
@@ -135,9 +132,8 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
             of the process group beside Horovod).
 
     Raises:
-        ValueError: an invalid ``lr_scaling``, ``backward_passes_per_step`` or ``compression``.
-        AdasumConfigurationError: on every rank, before the first step: a bad launch or module, more
-            backward passes skipped than ``backward_passes_per_step`` leaves.
+        ValueError: an invalid option.
+        AdasumConfigurationError: on every rank: a bad launch or module, too many passes skipped.
     """
 
     strategy_name = "horovod"
@@ -274,15 +270,13 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
 class HorovodAdasumStrategy(HorovodStrategy):
     """Fabric with Horovod's Adasum of parameter deltas: one process per device, started by ``horovodrun``.
 
-    In ``fabric.backward`` each parameter's hook steps it alone and starts the Adasum allreduce of its delta;
-    ``optimizer.step()`` applies the reduced delta. What must act before that local step is refused:
-    clipping, fp16 with a gradient scaler, closure optimizers (LBFGS).
+    Each parameter's hook in ``fabric.backward`` steps it and starts the Adasum of its delta, so clipping,
+    fp16 with a gradient scaler and closure optimizers are refused.
 
     Args: as :class:`HorovodStrategy`.
 
     Raises:
-        AdasumConfigurationError: on every rank, before the first step: the refusals above,
-            ``gradient_predivide_factor`` ≠ 1, Horovod's Adasum world rules.
+        AdasumConfigurationError: on every rank: the refusals above, Horovod's Adasum rules.
     """
 
     strategy_name = "horovod_adasum"

@@ -30,9 +30,8 @@ __all__ = ["HorovodStrategy", "HorovodAdasumStrategy"]
 class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
     """Data-parallel training with Horovod: one process per device, gradients averaged by allreduce.
 
-    pytorch-lightning 1.x's ``strategy="horovod"``: each optimizer is wrapped in
-    ``hvd.DistributedOptimizer(op=hvd.Average)``; ``lr_scaling="auto"`` multiplies the learning rates by the
-    world size. Launch rules and the process group beside Horovod: :class:`~.process.HorovodProcess`.
+    pytorch-lightning 1.x's ``strategy="horovod"``: ``hvd.DistributedOptimizer(op=hvd.Average)``;
+    ``lr_scaling="auto"`` multiplies the learning rates by the world size.
 
     Args:
         compression, gradient_predivide_factor: Horovod's (see :class:`~.process.HorovodProcess`).
@@ -88,13 +87,8 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        """Horovod's reduction of the step (``hvd.DistributedOptimizer``).
-
-        Adasum: Horovod's ``step()`` runs the closure, whose backward hooks ran the local steps and started
-        the delta allreduce. Averaging (also Adasum at world size 1): wait for the gradient allreduce right
-        after backward, before clipping, then step without a second one; a closure optimizer's loss (LBFGS)
-        is averaged too, so every rank decides alike.
-        """
+        """Adasum: Horovod's ``step()`` (the closure's hooks ran the local steps). Averaging (also Adasum at
+        world size 1): wait for the gradient allreduce after backward, before clipping, then step."""
         if _compat.is_horovod_adasum_optimizer(optimizer):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:  # the loss averaged only for an optimizer that decides by it
@@ -118,11 +112,8 @@ class HorovodStrategy(HorovodProcess, UpdateReducingDDPStrategy):
 class HorovodAdasumStrategy(HorovodStrategy):
     """Data-parallel training with Horovod's Adasum: parameter deltas combined adaptively.
 
-    Each optimizer is wrapped in ``hvd.DistributedOptimizer(op=hvd.Adasum)``: on the last backward pass of a
-    window each parameter's hook runs its local step and starts the Adasum allreduce of its delta; ``step()``
-    applies the reduced delta. Each rank keeps its own optimizer state. ``lr_scaling="auto"``: factor 1, or
-    ``hvd.local_size()`` on GPU with a NCCL-built Horovod, whose Adasum averages inside a node.
-    ``backward_passes_per_step`` is the Trainer's ``accumulate_grad_batches``.
+    ``hvd.DistributedOptimizer(op=hvd.Adasum)``: each parameter's hook runs its local step and starts the
+    Adasum of its delta; ``step()`` applies it. ``lr_scaling="auto"``: 1, or ``hvd.local_size()`` with NCCL.
 
     Args: as :class:`HorovodStrategy`.
 

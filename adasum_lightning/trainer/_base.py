@@ -57,9 +57,7 @@ SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 class UpdateReducingDDPStrategy(DDPStrategy):
     """``DDPStrategy``'s process group and collectives without ``DistributedDataParallel``.
 
-    Subclasses reduce the training update in their ``optimizer_step``. Every rank takes rank 0's parameters
-    and buffers when fitting starts, the sampler shuffles with rank 0's seed, ``lr_scaling`` scales the
-    learning rates once, and a ``SIGTERM`` that stops training ends the process with exit status 143.
+    Subclasses reduce the update in ``optimizer_step``. A ``SIGTERM`` that stops training exits with 143.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

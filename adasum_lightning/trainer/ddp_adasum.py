@@ -47,9 +47,8 @@ __all__ = ["DDPAdasumStrategy"]
 class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     """Data-parallel training with Adasum of parameter deltas on ``torch.distributed``.
 
-    Every rank runs Lightning's local step, then sets ``θ = θ_before + Adasum(d_0, …, d_{N−1})`` of the
-    ranks' deltas per parameter (:func:`adasum_lightning.step.adasum_step`). Each rank keeps its own optimizer
-    state; no world-size learning-rate scaling.
+    Every rank runs Lightning's local step, then sets ``θ = θ_before + Adasum(deltas)``
+    (:func:`adasum_lightning.step.adasum_step`); each rank keeps its own optimizer state.
 
     Args:
         overlap_backward: step and reduce bucket by bucket during backward where the result is the same
@@ -66,8 +65,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             ``lr_scaling``, ``uneven_inputs``).
 
     Raises:
-        ValueError: an invalid ``overlap_backward`` or ``bucket_cap_mb``.
-        AdasumConfigurationError: an invalid local-SGD setting or ``compression``.
+        AdasumConfigurationError: an invalid local-SGD setting or ``compression`` (ValueError: overlap's).
     """
 
     strategy_name = "ddp_adasum"

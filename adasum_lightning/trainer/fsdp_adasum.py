@@ -30,11 +30,8 @@ __all__ = ["FSDPAdasumStrategy"]
 class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     """Adasum across replica groups of ``shard_size`` ranks, each group training a model sharded by FSDP2.
 
-    The world is a mesh ``replicate × shard`` (:attr:`device_mesh`): inside a replica group FSDP2 works as
-    usual; across the groups the deltas of each step are combined by Adasum per whole parameter
-    (:func:`adasum_lightning.sharded.sharded_adasum_step`), so every group holds the same parameters. Each
-    top-level child with parameters and the module itself are sharded on ``mesh["shard"]`` unless
-    ``configure_model`` already sharded them (docs/fsdp_adasum.md).
+    Inside a replica group (``device_mesh["shard"]``) FSDP2 works as usual; across the groups each step's
+    deltas are combined by Adasum per whole parameter (docs/fsdp_adasum.md).
 
     Args:
         shard_size: the ranks of one replica group (default: the processes per node); it must divide the
@@ -47,8 +44,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         **kwargs: :class:`~adasum_lightning.trainer._base.UpdateReducingDDPStrategy`'s.
 
     Raises:
-        AdasumConfigurationError: a ``shard_size`` that does not divide the world size, an invalid
-            ``state_dict_type`` or ``compression``; at a resume, a full checkpoint of another mesh.
+        AdasumConfigurationError: an invalid option; at a resume, a full checkpoint of another mesh.
     """
 
     strategy_name = "fsdp_adasum"

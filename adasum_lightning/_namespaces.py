@@ -1,15 +1,13 @@
 """The two Lightning package names, and a copy of the strategies for each.
 
-``pytorch_lightning`` and the unified ``lightning`` can be installed together, each with its own registries
-and ``Strategy`` class. So the strategies are written once (:mod:`adasum_lightning.trainer`,
-:mod:`adasum_lightning.fabric`, :mod:`adasum_lightning.horovod`'s ``trainer`` and ``fabric``) and loaded a
-second time under ``adasum_lightning.lightning`` with the package names renamed, as Lightning's release
-tooling builds ``lightning``. Names are registered once a Lightning package is imported (a ``wrapt``
-post-import hook).
+``pytorch_lightning`` and ``lightning`` can be installed together, each with its own ``Strategy`` class, so
+the strategies are loaded a second time under ``adasum_lightning.lightning`` with the package names renamed.
+Names are registered once a Lightning package is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -44,23 +42,21 @@ _MIRRORS = (
 
 @dataclass(frozen=True)
 class Namespace:
-    """One Lightning package name: the module whose ``Trainer`` (or ``Fabric``) users build, its pip
-    distribution, and this project's copy of the strategies for it."""
+    """One Lightning package: the module whose ``Trainer`` or ``Fabric`` users build, and our strategies'."""
 
     trainer_module: str
-    distribution: str
     strategies_module: str
 
 
 #: The standalone package first: it is installed whenever either is (``lightning`` requires it).
 NAMESPACES: tuple[Namespace, ...] = (
-    Namespace("pytorch_lightning", "pytorch-lightning", "adasum_lightning.trainer"),
-    Namespace("lightning.pytorch", "lightning", _MIRROR_PACKAGE),
+    Namespace("pytorch_lightning", "adasum_lightning.trainer"),
+    Namespace("lightning.pytorch", _MIRROR_PACKAGE),
 )
 
 FABRIC_NAMESPACES: tuple[Namespace, ...] = (
-    Namespace("lightning_fabric", "lightning-fabric", "adasum_lightning.fabric"),
-    Namespace("lightning.fabric", "lightning", f"{_MIRROR_PACKAGE}.fabric"),
+    Namespace("lightning_fabric", "adasum_lightning.fabric"),
+    Namespace("lightning.fabric", f"{_MIRROR_PACKAGE}.fabric"),
 )
 
 _RENAMES = (
@@ -80,12 +76,9 @@ def installed(namespaces: tuple[Namespace, ...] = NAMESPACES) -> list[Namespace]
         top = namespace.trainer_module.split(".")[0]
         if top in sys.modules and sys.modules[top] is None:
             continue  # import blocked
-        try:
-            spec = importlib.util.find_spec(namespace.trainer_module if top in sys.modules else top)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None:
-            found.append(namespace)
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.util.find_spec(namespace.trainer_module if top in sys.modules else top):
+                found.append(namespace)
     return found
 
 
@@ -95,8 +88,7 @@ def strategies_for(namespace: Namespace) -> ModuleType:
 
 
 def resolve() -> Namespace:
-    """The Lightning package a bare ``adasum_lightning.<Strategy>`` refers to: the one imported, else
-    ``lightning`` if installed, else ``pytorch_lightning``.
+    """The package a bare ``adasum_lightning.<Strategy>`` means: the one imported, else ``lightning``.
 
     Raises:
         ImportError: neither package is installed, or both are imported.
@@ -130,8 +122,7 @@ def missing_lightning_message() -> str:
 
 
 def register(strategy_registry: Any, strategy: type) -> None:
-    """Add ``strategy`` to a Lightning registry under its ``strategy_name``, described by its docstring's
-    first line."""
+    """Add ``strategy`` to a Lightning registry under its ``strategy_name`` (its docstring's first line)."""
     description = (strategy.__doc__ or "").splitlines()[0]
     strategy_registry.register(strategy.strategy_name, strategy, description=description, override=True)
 

@@ -81,8 +81,7 @@ def check_sync_batchnorm(
 
 
 def sampler_seed(strategy: Any) -> int:
-    """Rank 0's ``seed_everything`` seed for every rank's ``DistributedSampler`` (a broadcast): ranks seeded
-    differently would otherwise read overlapping shards."""
+    """Rank 0's ``seed_everything`` seed for every rank's sampler (a broadcast): no overlapping shards."""
     return int(strategy.broadcast(int(os.environ.get("PL_GLOBAL_SEED", 0)), src=0))
 
 

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any
-
 from lightning_fabric.strategies.strategy import _BackwardSyncControl
 
 from adasum_lightning._private_apis import PrivateApi
 
-__all__ = ["PRIVATE_APIS", "BackwardSyncControl", "process_group_timeout"]
+__all__ = ["PRIVATE_APIS", "BackwardSyncControl"]
 
 _BOTH, _STRATEGY = "lightning-fabric 2.4.0, 2.6.6", "lightning_fabric.strategies.strategy"
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
@@ -32,11 +29,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "lightning_fabric.strategies.ddp", "DDPStrategy", _BOTH, ("self._timeout", "self._ddp_kwargs")
     ),
 )
-
-
-def process_group_timeout(strategy: Any) -> timedelta | None:
-    """The ``timeout`` a Fabric DDP strategy gives its process group (``DDPStrategy(timeout=...)``)."""
-    return strategy._timeout
 
 
 #: The interface a strategy implements for ``fabric.no_backward_sync`` (its ``_backward_sync_control``).

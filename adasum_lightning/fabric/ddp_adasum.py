@@ -77,7 +77,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         if self.sync_every > 1 and self.combine == "adasum" and self.outer_optimizer is None:
             rank_zero_warn(local_sgd.local_sgd_without_outer_message(self.strategy_name, self.sync_every))
         if self.overlap_sync and self.world_size > 1:  # a collective: every rank builds it here
-            timeout = _compat.process_group_timeout(self)
+            timeout = self._timeout
             self._overlap_group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
 
     @override
@@ -98,7 +98,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Fabric's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
         local_step = functools.partial(super().optimizer_step, optimizer, **kwargs)
-        timeout = _compat.process_group_timeout(self)
+        timeout = self._timeout
         if self._every_step:
             return adasum_step(optimizer_parameters(optimizer), local_step, None, timeout, self.wire_dtype)
         if id(optimizer) not in self._periodic:
@@ -146,8 +146,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
 
 
 class _LocalGradientsSyncControl(_compat.BackwardSyncControl):
-    """``fabric.no_backward_sync`` under Adasum: gradients are never synchronised in backward, so nothing to
-    skip; accumulation works by stepping every k-th batch."""
+    """``fabric.no_backward_sync`` under Adasum: gradients are never synchronised in backward."""
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:

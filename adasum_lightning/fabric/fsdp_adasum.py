@@ -75,8 +75,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], *scheduler: Any
     ) -> tuple[Any, ...]:
-        """``fabric.setup(model, optimizer, ...)``: shard the model (:meth:`setup_module`), then point each
-        optimizer at the sharded parameters that replaced the ones it was built with (the same order)."""
+        """Shard the model, then point each optimizer at the sharded parameters that replaced its own."""
         names = {id(p): name for name, p in module.named_parameters()}
         module = self.setup_module(module)
         sharded = dict(module.named_parameters())
@@ -115,7 +114,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         with reported_on_every_rank(self.global_rank):
             sharding.local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(super().optimizer_step, optimizer, **kwargs)
-        timeout = _compat.process_group_timeout(self)
+        timeout = self._timeout
         groups = self.replicate_group, self.shard_group
         return sharding.sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
 
@@ -226,8 +225,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any
     ) -> dict[str, Any]:
-        """Restore ``state`` from a file (:meth:`_load_full`) or a sharded folder (:meth:`_load_sharded`);
-        returns the items that ``state`` did not name."""
+        """Restore ``state`` from a file or a sharded folder; returns the items ``state`` did not name."""
         if os.path.isdir(path) and state and not isinstance(state, (Module, Optimizer)):
             return self._load_sharded(path, state, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, **kwargs)
@@ -237,10 +235,8 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         """The model from the whole tensors, each optimizer from this rank's own shard (same mesh only).
 
         Raises:
-            AdasumConfigurationError: a file of optimizer shards saved on another mesh.
-            IncompleteCheckpointError: this rank's file missing, unreadable or from another save.
-            KeyError: with ``strict``, a key of ``state`` that the file lacks.
-            TypeError: ``state`` an optimizer alone (pass ``{"optimizer": optimizer, ...}``).
+            AdasumConfigurationError: optimizer shards of another mesh (IncompleteCheckpointError: this
+                rank's file missing or from another save; KeyError: a missing key; TypeError: an optimizer).
         """
         if isinstance(state, Module):
             self.load_module_state_dict(state, checkpoint, strict=strict)

@@ -45,10 +45,9 @@ def _from_horovod(name: str, before_init: Callable[[], int]) -> int:
 
 
 class HorovodEnvironment(ClusterEnvironment):
-    """Ranks and sizes from Horovod once it is initialised, from the launcher's variables before.
+    """Ranks and sizes from Horovod once it is initialised (never by reading them), else from the launcher.
 
-    Reading a rank never initialises Horovod. The strategy sets :attr:`main_address`, :attr:`main_port` (where
-    the ``torch.distributed`` group beside Horovod meets) and the node rank after ``hvd.init()``.
+    The strategy sets where the process group beside Horovod meets and the node rank after ``hvd.init()``.
     """
 
     def __init__(self) -> None:
@@ -187,8 +186,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Wrap the optimizer in ``hvd.DistributedOptimizer`` and scale its learning rates (``lr_scaling``);
-        set it up before loading its state (Horovod's optimizer starts empty)."""
+        """Wrap the optimizer in ``hvd.DistributedOptimizer``, scale its learning rates; before loading it."""
         self._check_optimizers([optimizer])
         index = self._optimizers_set_up
         self._optimizers_set_up += 1
@@ -231,8 +229,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Averaging (also Adasum at world size 1): wait for the gradient allreduce once, then Fabric's step.
-        Adasum: Horovod's ``step()`` applies the reduced deltas."""
+        """Averaging (also Adasum at world size 1): wait for the gradient allreduce, then Fabric's step."""
         try:
             if self.reduction == "Adasum" and self.world_size > 1:
                 return super().optimizer_step(optimizer, **kwargs)

@@ -82,36 +82,25 @@ class HorovodProcess:
                 support.check_gradient_predivide_factor(self.gradient_predivide_factor)
 
     def setup_environment(self) -> None:
-        """``hvd.init()``, the launch rules, then the ``torch.distributed`` process group at the address and
-        port rank 0 picks and Horovod broadcasts.
+        """``hvd.init()``, the launch rules, then the ``torch.distributed`` process group beside Horovod.
 
         Raises:
-            AdasumConfigurationError: on every rank, before the first collective: a bad launch, the rules of
-                :meth:`_validate_environment`, a loopback address for a job on several hosts.
+            AdasumConfigurationError: on every rank, before the first collective: a bad launch.
         """
         hvd = self.hvd
         hvd.init()
         rank_zero_only.rank = hvd.rank()
         with reported_on_every_rank(hvd.rank()):
-            support.check_launch(
-                hvd.size(),
-                detect_launcher(),
-                self._requested_devices,
-                api=self.api,
-                strategy_name=self.strategy_name,
-            )
+            devices, name = self._requested_devices, self.strategy_name
+            support.check_launch(hvd.size(), detect_launcher(), devices, api=self.api, strategy_name=name)
             self._validate_environment()
         self.num_nodes = agree_on_process_group(hvd, self.cluster_environment)
         super().setup_environment()  # type: ignore[misc]
 
     def _validate_environment(self) -> None:
         """Rules on the launch, right after ``hvd.init()``; under Adasum its world rules."""
-        support.check_cpu_operations(
-            mpi_enabled=self.hvd.mpi_enabled(),
-            cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS"),
-            strategy_name=self.strategy_name,
-        )
-        hvd = self.hvd
+        hvd, name, cpu = self.hvd, self.strategy_name, os.environ.get("HOROVOD_CPU_OPERATIONS")
+        support.check_cpu_operations(mpi_enabled=hvd.mpi_enabled(), cpu_operations=cpu, strategy_name=name)
         if self.reduction != "Adasum" or hvd.size() == 1:
             return  # Adasum's rules: a world of 1 reduces nothing
         support.check_controller(
@@ -124,25 +113,19 @@ class HorovodProcess:
 
     def _check_module(self, module: Module) -> None:
         """Refuse, on every rank, bfloat16 parameters on CPU."""
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
         with reported_on_every_rank(self.global_rank):
-            support.check_horovod_dtypes(
-                self.strategy_name,
-                self.root_device.type,
-                {p.dtype for p in module.parameters() if p.requires_grad},
-            )
+            support.check_horovod_dtypes(self.strategy_name, self.root_device.type, dtypes)
 
     def _check_optimizers(self, optimizers: list[Optimizer]) -> None:
         """Refuse, on every rank, a closure optimizer under Adasum (its local step runs inside backward)."""
         if self.reduction == "Adasum":
+            names = [type(opt).__name__ for opt in optimizers if support.needs_closure(opt)]
             with reported_on_every_rank(self.global_rank):
-                support.check_closure_optimizers(
-                    self.strategy_name,
-                    [type(opt).__name__ for opt in optimizers if support.needs_closure(opt)],
-                )
+                support.check_closure_optimizers(self.strategy_name, names)
 
     def _auto_lr_factor(self) -> float:
-        """``lr_scaling="auto"``: the world size for averaging; for Adasum 1, or ``hvd.local_size()`` on GPU
-        with a NCCL-built Horovod, whose Adasum averages inside a node."""
+        """``lr_scaling="auto"``: the world size (averaging); 1 or ``hvd.local_size()`` with NCCL (Adasum)."""
         if self.reduction == "Average":
             return float(self.world_size)
         on_gpu = self.root_device.type == "cuda"
@@ -151,8 +134,7 @@ class HorovodProcess:
     def _horovod_optimizer(
         self, optimizer: Optimizer, index: int, names: Mapping[Tensor, str], backward_passes_per_step: int
     ) -> Optimizer:
-        """``optimizer`` wrapped in ``hvd.DistributedOptimizer``, its allreduces named after the parameters
-        (else ``optimizer<index>.group<g>.param<j>``)."""
+        """``optimizer`` in ``hvd.DistributedOptimizer``, its allreduces named after the parameters."""
         hvd = self.hvd
         named = [
             (names.get(p, f"optimizer{index}.group{g}.param{j}"), p)
@@ -188,11 +170,8 @@ class HorovodProcess:
 
 
 def agree_on_process_group(hvd: Any, environment: Any) -> int:
-    """Rank 0 picks the address and port of the ``torch.distributed`` group; Horovod broadcasts them, and
-    each rank's node rank is set on ``environment`` (a ``HorovodEnvironment``).
-
-    Returns:
-        The number of hosts in the job.
+    """Rank 0 picks the address and port of the ``torch.distributed`` group and Horovod broadcasts them;
+    sets them and the node rank on ``environment``. Returns the number of hosts.
 
     Raises:
         AdasumConfigurationError: on every rank, for a job on several hosts with a loopback address.

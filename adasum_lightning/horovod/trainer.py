@@ -1,8 +1,6 @@
 """Horovod strategies for PyTorch Lightning 2.x: Adasum (``horovod_adasum``) and averaging (``horovod``).
 
-Lightning 2.0 removed its Horovod strategy. ``horovodrun``/``mpirun`` start the processes; Horovod reduces the
-update and a ``torch.distributed`` process group over the same ranks carries everything else. Importing it
-registers them; its copy for ``lightning.pytorch`` is loaded by :mod:`adasum_lightning._namespaces`.
+Horovod reduces the update; a ``torch.distributed`` process group over the same ranks carries the rest.
 """
 
 from __future__ import annotations
@@ -139,8 +137,7 @@ class HorovodAdasumStrategy(HorovodStrategy):
             self._clip_values_before_local_step(float(trainer.gradient_clip_val))
 
     def _clip_values_before_local_step(self, clip_value: float) -> None:
-        """Clamp each gradient right before Horovod's hook runs Adasum's local step on the window's last
-        backward pass; Lightning's own clipping still covers the steps that run inside ``step()``."""
+        """Clamp each gradient before Horovod's hook runs Adasum's local step in the last backward pass."""
         for optimizer in self.optimizers:
             if not _compat.is_horovod_adasum_optimizer(optimizer):
                 continue  # world size 1: Lightning's clipping acts before the step as usual

@@ -1,8 +1,4 @@
-"""What the Trainer strategies share: Lightning's ``DDPStrategy`` without ``DistributedDataParallel``.
-
-Lightning's cross-rank code runs as under ``strategy="ddp"``; only the training update crosses ranks another
-way, reduced by each subclass.
-"""
+"""What the Trainer strategies share: Lightning's ``DDPStrategy`` without ``DistributedDataParallel``."""
 
 from __future__ import annotations
 
@@ -122,10 +118,9 @@ class UpdateReducingDDPStrategy(DDPStrategy):
                 self._validate_trainer(trainer)
         super().setup(trainer)
         assert self.lightning_module is not None
+        module = self.lightning_module
         with reported_on_every_rank(self.global_rank):
-            check_single_device(
-                self.strategy_name, [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
-            )
+            check_single_device(self.strategy_name, [*module.parameters(), *module.buffers()])
         if fitting:
             self.lr_factor = self.lr_scale_factor()
             scale_learning_rates(
@@ -181,8 +176,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         )
 
     def _defer_sigterm_to_step_end(self) -> None:
-        """Run Lightning's SIGTERM handler when the optimizer step ends: it broadcasts from rank 0, which
-        would deadlock inside the update's reduction (see :meth:`_deliver_pending_sigterm`)."""
+        """Run Lightning's SIGTERM handler (a broadcast) after the step, not inside the update's reduction."""
         lightning_handler = signal.getsignal(signal.SIGTERM)
         if not callable(lightning_handler):
             return
@@ -207,7 +201,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         """Rules on the Trainer's settings and the module, checked before any step."""
         assert self.model is not None
         sync_layers = [name for name, m in self.model.named_modules() if isinstance(m, SyncBatchNorm)]
-        requested = _compat.layer_sync(self) is not None
+        requested = self._layer_sync is not None  # Trainer(sync_batchnorm=True)
         check_sync_batchnorm(self.root_device.type, requested, sync_layers, self.strategy_name)
 
     @override
@@ -266,8 +260,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Each rank restores its own optimizer state (new rank r: old rank ``r mod N_old``'s); without
-        rank files every rank takes rank 0's, as in Lightning (a missing one with a warning)."""
+        """Each rank its own optimizer state (new rank r: old rank ``r mod N_old``'s), else rank 0's."""
         record = checkpoint.get(ckpt.RANK_OPTIMIZER_STATES)
         if record is not None:
             self._resumed_lr_factor = record.get("lr_factor")

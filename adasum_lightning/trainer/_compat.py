@@ -18,10 +18,7 @@ from adasum_lightning._private_apis import PrivateApi
 __all__ = [
     "PRIVATE_APIS",
     "sync_module_states",
-    "layer_sync",
-    "process_group_timeout",
     "has_sigterm_agreement",
-    "run_closure",
     "mark_step_for_schedulers",
 ]
 
@@ -65,21 +62,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 
 #: Broadcast a module's parameters and buffers from rank 0 over the default group (any dtype, any layout).
 sync_module_states: Callable[[Any], None] = _sync_module_states
-
-
-def layer_sync(strategy: Any) -> Any:
-    """The layer synchronisation the Trainer gave the strategy (``sync_batchnorm=True``), else None."""
-    return strategy._layer_sync
-
-
-def process_group_timeout(strategy: Any) -> Any:
-    """The ``timeout`` a DDP strategy gives its process group (``DDPStrategy(timeout=...)``)."""
-    return strategy._timeout
-
-
-def run_closure(precision_plugin: Any, model: Any, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
-    """The closure (forward, backward), ``on_before_optimizer_step`` and clipping, without the step."""
-    return precision_plugin._wrap_closure(model, optimizer, closure)
 
 
 def has_sigterm_agreement() -> bool:

@@ -38,7 +38,6 @@ from adasum_lightning.step import (
     overlap_fallback_reason,
 )
 
-from . import _compat
 from ._base import UpdateReducingDDPStrategy
 
 __all__ = ["DDPAdasumStrategy"]
@@ -120,9 +119,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             trainer.callbacks.insert(0, _EndWindows(self))  # first: before the others' end-of-fit hooks
         if (self.overlap_backward or self.overlap_sync) and self.world_size > 1 and fitting:
             # the worker thread's own process group (a collective: every rank builds it here)
-            self._overlap_group = dist.new_group(
-                backend=dist.get_backend(), timeout=_compat.process_group_timeout(self)
-            )
+            self._overlap_group = dist.new_group(backend=dist.get_backend(), timeout=self._timeout)
 
     @override
     def _describe_reduction(self) -> str:
@@ -149,13 +146,13 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             backward_step.armed = True
             try:
                 model = model or self.lightning_module
-                output = _compat.run_closure(self.precision_plugin, model, optimizer, closure)
+                output = self.precision_plugin._wrap_closure(model, optimizer, closure)  # no step
             finally:
                 backward_step.armed = False
             backward_step.finish()
         else:
             local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
-            timeout = _compat.process_group_timeout(self)
+            timeout = self._timeout
             if self._every_step:
                 params = optimizer_parameters(optimizer)
                 output = adasum_step(params, local_step, None, timeout, self.wire_dtype)
@@ -180,8 +177,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             periodic.sync()
 
     def _backward_step(self, optimizer: Optimizer) -> BackwardAdasumStep | None:
-        """``optimizer``'s bucketed step (rebuilt when its trainable parameters change), or None when it must
-        take the whole step (the reason logged once)."""
+        """``optimizer``'s bucketed step (rebuilt when its parameters change), or None: the whole step."""
         key = id(optimizer)
         built = self._backward_steps.get(key)
         if key in self._backward_steps and (built is None or built.is_current()):
@@ -199,7 +195,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             return None
         assert self._overlap_group is not None
         bucket_bytes = int(self.bucket_cap_mb * 2**20)
-        timeout = _compat.process_group_timeout(self)
+        timeout = self._timeout
         step = BackwardAdasumStep(optimizer, self._overlap_group, bucket_bytes, timeout, self.wire_dtype)
         step.armed = False  # only the backward inside optimizer_step steps (not an accumulation window's)
         self._backward_steps[key] = step
@@ -270,9 +266,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     @override
     def teardown(self) -> None:
         release_workspace()  # the reduction's buffers, kept between steps
-        for built in self._backward_steps.values():
-            if built is not None:
-                built.close()
+        for built in filter(None, self._backward_steps.values()):
+            built.close()
         self._backward_steps.clear()
         close_windows(self._periodic)  # after a fit, on_train_end has synced them
         if self._overlap_group is not None:

@@ -106,7 +106,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
         with reported_on_every_rank(self.global_rank):
             sharding.local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
-        timeout = _compat.process_group_timeout(self)
+        timeout = self._timeout
         groups = self.replicate_group, self.shard_group
         output = sharding.sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
         self._deliver_pending_sigterm()
@@ -229,8 +229,7 @@ class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """A full checkpoint: each rank its own saved shard (same mesh only), or its chunk of a whole state;
-        a sharded one: :meth:`_load_sharded_optimizers`."""
+        """Each rank its own saved shard (same mesh only), its chunk of a whole state, or a sharded one's."""
         if self._sharded_path is not None:
             return self._load_sharded_optimizers(checkpoint)
         saved_mesh = checkpoint.get(ckpt.SHARDED_OPTIMIZER_MESH)

@@ -21,8 +21,7 @@ __all__ = [
 for _strategy in (DDPAdasumStrategy, FSDPAdasumStrategy):
     _strategy.register_strategies(STRATEGY_REGISTRY)
 
-# Registers the Horovod strategies; last and as a module: importing that module first imports this package.
-import adasum_lightning.horovod.fabric as _horovod  # noqa: E402
+import adasum_lightning.horovod.fabric as _horovod  # noqa: E402  (registers them; last: it imports this package)
 
 
 def __getattr__(name: str) -> Any:  # the Horovod strategies: that module imports this package first

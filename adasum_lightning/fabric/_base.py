@@ -34,9 +34,7 @@ class UpdateReducingDDPStrategy(DDPStrategy):
     def __init__(self, compression: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self._ddp_kwargs:
-            raise TypeError(
-                f"{type(self).__name__} got unexpected keyword arguments {sorted(self._ddp_kwargs)}"
-            )
+            raise TypeError(f"{type(self).__name__}: unexpected keyword arguments {list(self._ddp_kwargs)}")
         self.compression = compression
         self.wire_dtype = check_wire_compression(compression, self.strategy_name)
 

@@ -149,9 +149,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
     ) -> None:
         super().__init__(cluster_environment=HorovodEnvironment(), **kwargs)
         if self._ddp_kwargs:
-            raise TypeError(
-                f"{type(self).__name__} got unexpected keyword arguments {sorted(self._ddp_kwargs)}"
-            )
+            raise TypeError(f"{type(self).__name__}: unexpected keyword arguments {list(self._ddp_kwargs)}")
         self.lr_scaling = check_lr_scaling(lr_scaling)
         passes = backward_passes_per_step
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:

@@ -141,12 +141,9 @@ class HorovodAdasumStrategy(HorovodStrategy):
         for optimizer in self.optimizers:
             if not _compat.is_horovod_adasum_optimizer(optimizer):
                 continue  # world size 1: Lightning's clipping acts before the step as usual
+            clamp = functools.partial(_clamp_on_last_pass, optimizer, clip_value)
             for p in _compat.horovod_requires_update(optimizer):
-                self._hook_handles.append(
-                    p.register_post_accumulate_grad_hook(
-                        functools.partial(_clamp_on_last_pass, optimizer, clip_value)
-                    )
-                )
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(clamp))
 
 
 def _clamp_on_last_pass(optimizer: Optimizer, clip_value: float, param: Tensor) -> None:

@@ -56,8 +56,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
     Subclasses reduce the update in ``optimizer_step``. A ``SIGTERM`` that stops training exits with 143.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for ``DDPStrategy``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io: as for ``DDPStrategy``.
+        precision_plugin, process_group_backend, timeout, start_method: as for ``DDPStrategy``.
         lr_scaling: ``"auto"`` (the subclass's policy), ``"none"`` (factor 1) or a positive factor applied to
             every learning rate (and scheduler's ``base_lrs``) when fitting starts.
         uneven_inputs: when the ranks have different numbers of training batches: ``"truncate"`` (stop every
@@ -123,9 +123,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
             check_single_device(self.strategy_name, [*module.parameters(), *module.buffers()])
         if fitting:
             self.lr_factor = self.lr_scale_factor()
-            scale_learning_rates(
-                self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.lr_factor
-            )
+            schedulers = [c.scheduler for c in self.lr_scheduler_configs]
+            scale_learning_rates(self.optimizers, schedulers, self.lr_factor)
             rank_zero_info(
                 f"{type(self).__name__}: world size {self.world_size}, {self._describe_reduction()}, "
                 f"learning-rate factor {self.lr_factor:g} (lr_scaling={self.lr_scaling!r})"
@@ -167,9 +166,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         old, self._resumed_lr_factor = self._resumed_lr_factor, None
         if old is None or self.lr_factor is None or old == self.lr_factor:
             return
-        scale_learning_rates(
-            self.optimizers, [c.scheduler for c in self.lr_scheduler_configs], self.lr_factor / old
-        )
+        schedulers = [c.scheduler for c in self.lr_scheduler_configs]
+        scale_learning_rates(self.optimizers, schedulers, self.lr_factor / old)
         rank_zero_info(
             f"{type(self).__name__}: the checkpoint's learning rates were scaled by {old:g} for its world "
             f"size; rescaled to the factor {self.lr_factor:g} of world size {self.world_size}"

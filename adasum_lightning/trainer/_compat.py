@@ -10,6 +10,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from pytorch_lightning.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from torch.optim import Optimizer
 
@@ -17,6 +18,8 @@ from adasum_lightning._private_apis import PrivateApi
 
 __all__ = [
     "PRIVATE_APIS",
+    "configure_optimizers",
+    "configure_schedulers",
     "sync_module_states",
     "has_sigterm_agreement",
     "mark_step_for_schedulers",
@@ -26,6 +29,9 @@ __all__ = [
 _BOTH, _NEW = "pytorch-lightning 2.4.0, 2.6.6", "pytorch-lightning 2.6.6"
 _STRATEGY = "pytorch_lightning.strategies.strategy"
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    # benchmarks/simulate.py: a LightningModule's optimizers and schedulers, as the Trainer builds them.
+    PrivateApi("pytorch_lightning.core.optimizer", "_configure_optimizers", _BOTH),
+    PrivateApi("pytorch_lightning.core.optimizer", "_configure_schedulers_automatic_opt", _BOTH),
     # Lightning's broadcast of a module's parameters and buffers from rank 0 (torch's _sync_module_states).
     PrivateApi("pytorch_lightning.overrides.distributed", "_sync_module_states", _BOTH),
     PrivateApi(_STRATEGY, "Strategy", _BOTH, ("self._launcher",)),
@@ -60,6 +66,10 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 )
 
 
+#: ``LightningModule.configure_optimizers()``'s output → (optimizers, schedulers, monitor).
+configure_optimizers: Callable[[Any], tuple[list, list, Any]] = _configure_optimizers
+#: Scheduler specs → Lightning's ``LRSchedulerConfig`` list (automatic optimisation).
+configure_schedulers: Callable[[list, Any], list] = _configure_schedulers_automatic_opt
 #: Broadcast a module's parameters and buffers from rank 0 over the default group (any dtype, any layout).
 sync_module_states: Callable[[Any], None] = _sync_module_states
 

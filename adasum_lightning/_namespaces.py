@@ -1,19 +1,13 @@
 """The two Lightning package names, and a copy of the strategies for each.
 
-``pytorch_lightning`` (with ``lightning_fabric``) and the unified ``lightning`` (``lightning.pytorch``,
-``lightning.fabric``) can be installed together, and each has its own ``StrategyRegistry`` and ``Strategy``
-class: one's ``Trainer`` rejects a strategy built on the other. So the strategies are written once, in
-:mod:`adasum_lightning.trainer`, :mod:`adasum_lightning.fabric` and :mod:`adasum_lightning.horovod`'s
-``trainer`` and ``fabric``, and loaded a second time as ``adasum_lightning.lightning`` (``.lightning.fabric``,
-``.lightning.horovod.trainer``, ``.lightning.horovod.fabric``) with the package names renamed, as Lightning's
-release tooling builds ``lightning`` from the standalone sources.
-
-Strategy names are registered only once a Lightning package is imported (a ``wrapt`` post-import hook):
-``import adasum_lightning`` imports neither, and :func:`resolve` knows which copy a bare name means.
+``pytorch_lightning`` and ``lightning`` can be installed together, each with its own ``Strategy`` class, so
+the strategies are loaded a second time under ``adasum_lightning.lightning`` with the package names renamed.
+Names are registered once a Lightning package is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -36,55 +30,42 @@ __all__ = [
     "register_when_imported",
 ]
 
-_SOURCE_PACKAGE = "adasum_lightning.trainer"
 _MIRROR_PACKAGE = "adasum_lightning.lightning"
-_FABRIC_SOURCE_PACKAGE = "adasum_lightning.fabric"
-_FABRIC_MIRROR_PACKAGE = "adasum_lightning.lightning.fabric"
-_HOROVOD_MIRROR_PACKAGE = "adasum_lightning.lightning.horovod"
 _PACKAGE_DIR = Path(__file__).resolve().parent
 #: Mirror package → the source folder it is loaded from, the more specific first.
 _MIRRORS = (
-    (_FABRIC_MIRROR_PACKAGE, _PACKAGE_DIR / "fabric"),
-    (_HOROVOD_MIRROR_PACKAGE, _PACKAGE_DIR / "horovod"),
+    (f"{_MIRROR_PACKAGE}.fabric", _PACKAGE_DIR / "fabric"),
+    (f"{_MIRROR_PACKAGE}.horovod", _PACKAGE_DIR / "horovod"),
     (_MIRROR_PACKAGE, _PACKAGE_DIR / "trainer"),
 )
 
 
 @dataclass(frozen=True)
 class Namespace:
-    """One Lightning package name.
-
-    Attributes:
-        trainer_module: the module whose ``Trainer`` (or ``Fabric``) users build (``"pytorch_lightning"``,
-            ``"lightning.pytorch"``, ``"lightning_fabric"`` or ``"lightning.fabric"``).
-        distribution: the pip distribution that provides it (``"pytorch-lightning"`` or ``"lightning"``).
-        strategies_module: this project's copy of the strategies for it.
-    """
+    """One Lightning package: the module whose ``Trainer`` or ``Fabric`` users build, and our strategies'."""
 
     trainer_module: str
-    distribution: str
     strategies_module: str
 
 
 #: The standalone package first: it is installed whenever either is (``lightning`` requires it).
 NAMESPACES: tuple[Namespace, ...] = (
-    Namespace("pytorch_lightning", "pytorch-lightning", _SOURCE_PACKAGE),
-    Namespace("lightning.pytorch", "lightning", _MIRROR_PACKAGE),
+    Namespace("pytorch_lightning", "adasum_lightning.trainer"),
+    Namespace("lightning.pytorch", _MIRROR_PACKAGE),
 )
 
-#: The Fabric packages: ``lightning_fabric`` (which pytorch-lightning brings) and ``lightning.fabric``.
 FABRIC_NAMESPACES: tuple[Namespace, ...] = (
-    Namespace("lightning_fabric", "lightning-fabric", _FABRIC_SOURCE_PACKAGE),
-    Namespace("lightning.fabric", "lightning", _FABRIC_MIRROR_PACKAGE),
+    Namespace("lightning_fabric", "adasum_lightning.fabric"),
+    Namespace("lightning.fabric", f"{_MIRROR_PACKAGE}.fabric"),
 )
 
 _RENAMES = (
     (re.compile(r"\bpytorch_lightning\b"), "lightning.pytorch"),
     (re.compile(r"\blightning_fabric\b"), "lightning.fabric"),
-    (re.compile(r"\badasum_lightning\.fabric\b"), _FABRIC_MIRROR_PACKAGE),
+    (re.compile(r"\badasum_lightning\.fabric\b"), f"{_MIRROR_PACKAGE}.fabric"),
     (re.compile(r"\badasum_lightning\.trainer\b"), _MIRROR_PACKAGE),
     # only the Horovod modules that import Lightning: the others are shared by both copies
-    (re.compile(r"\badasum_lightning\.horovod\.(?=(trainer|fabric)\b)"), _HOROVOD_MIRROR_PACKAGE + "."),
+    (re.compile(r"\badasum_lightning\.horovod\.(?=(trainer|fabric)\b)"), f"{_MIRROR_PACKAGE}.horovod."),
 )
 
 
@@ -95,12 +76,9 @@ def installed(namespaces: tuple[Namespace, ...] = NAMESPACES) -> list[Namespace]
         top = namespace.trainer_module.split(".")[0]
         if top in sys.modules and sys.modules[top] is None:
             continue  # import blocked
-        try:
-            spec = importlib.util.find_spec(namespace.trainer_module if top in sys.modules else top)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None:
-            found.append(namespace)
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.util.find_spec(namespace.trainer_module if top in sys.modules else top):
+                found.append(namespace)
     return found
 
 
@@ -110,14 +88,10 @@ def strategies_for(namespace: Namespace) -> ModuleType:
 
 
 def resolve() -> Namespace:
-    """The Lightning package that a bare ``adasum_lightning.<Strategy>`` refers to.
-
-    The one this process has imported; when it has imported neither, ``lightning`` if installed, else
-    ``pytorch_lightning``.
+    """The package a bare ``adasum_lightning.<Strategy>`` means: the one imported, else ``lightning``.
 
     Raises:
-        ImportError: neither package is installed, or both are imported (the message names the two explicit
-            modules).
+        ImportError: neither package is installed, or both are imported.
     """
     imported = [ns for ns in NAMESPACES if sys.modules.get(ns.trainer_module) is not None]
     if len(imported) == 1:
@@ -147,35 +121,24 @@ def missing_lightning_message() -> str:
     )
 
 
-def _register(namespace: Namespace) -> None:
-    # Importing the strategies registers them (the subpackage's last lines); an import in progress ends it.
-    strategies_for(namespace)
-
-
 def register(strategy_registry: Any, strategy: type) -> None:
-    """Add ``strategy`` to a Lightning strategy registry under its ``strategy_name``, described by the first
-    line of its docstring (replacing an earlier entry of that name)."""
+    """Add ``strategy`` to a Lightning registry under its ``strategy_name`` (its docstring's first line)."""
     description = (strategy.__doc__ or "").splitlines()[0]
     strategy_registry.register(strategy.strategy_name, strategy, description=description, override=True)
 
 
 def register_when_imported() -> None:
-    """Register the strategy names with each Lightning package's registries once it is imported.
-
-    At once for a package already imported; Fabric's ``STRATEGY_REGISTRY`` too.
-    """
+    """Register the strategy names with each Lightning package's registries once it is imported."""
     import wrapt  # installed with Lightning; not needed for the torch-only part of the project
 
     sys.meta_path.insert(0, _MirrorFinder())
     for namespace in (*NAMESPACES, *FABRIC_NAMESPACES):
-        wrapt.register_post_import_hook(lambda _module, ns=namespace: _register(ns), namespace.trainer_module)
+        # importing the strategies registers them
+        wrapt.register_post_import_hook(lambda _, ns=namespace: strategies_for(ns), namespace.trainer_module)
 
 
 class _MirrorLoader(importlib.abc.SourceLoader):
-    """Loads a module of a source subpackage under its mirror (:data:`_MIRRORS`), with the imports renamed.
-
-    Compiled from the original file (tracebacks keep its line numbers), never cached as bytecode.
-    """
+    """Loads a source module under its mirror with the imports renamed (tracebacks keep its lines)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -191,9 +154,7 @@ class _MirrorLoader(importlib.abc.SourceLoader):
 
 
 class _MirrorFinder(importlib.abc.MetaPathFinder):
-    """Finds ``adasum_lightning.lightning[.X]`` (the renamed ``adasum_lightning/trainer[/X].py``),
-    ``adasum_lightning.lightning.fabric[.X]`` (the renamed ``adasum_lightning/fabric[/X].py``) and
-    ``adasum_lightning.lightning.horovod[.X]`` (the renamed ``adasum_lightning/horovod[/X].py``)."""
+    """Finds ``adasum_lightning.lightning[.fabric|.horovod][.X]``: the renamed files of :data:`_MIRRORS`."""
 
     def find_spec(self, fullname, path=None, target=None):
         found = [(m, d) for m, d in _MIRRORS if fullname == m or fullname.startswith(m + ".")]

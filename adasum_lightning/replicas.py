@@ -1,7 +1,6 @@
-"""The module every rank holds whole under the strategies that reduce updates themselves (``ddp_adasum``,
-``horovod_adasum``, ``horovod``; ``fsdp_adasum`` before it shards): the rules it must meet, the preparation
-that gives every rank the first rank's values, and the sampler seed all ranks share. Lightning-free: the
-strategies of both APIs and both Lightning packages call it with themselves as ``strategy``.
+"""The module every rank holds whole under the strategies that reduce updates themselves: its rules, the
+preparation that gives every rank the first rank's values, and the sampler seed all ranks share.
+Lightning-free: the strategies of both APIs call it with themselves as ``strategy``.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ def check_single_device(strategy_name: str, tensors: Iterable[torch.Tensor]) -> 
     """One process drives one device: every parameter and buffer must be on the same device.
 
     Raises:
-        AdasumConfigurationError: naming the devices found and how to start one process per device.
+        AdasumConfigurationError: naming the devices found.
     """
     devices = sorted({str(t.device) for t in tensors})
     if len(devices) > 1:
@@ -60,13 +59,8 @@ def check_module_unwrapped(strategy_name: str, wrapped_in_ddp: bool) -> None:
 def check_sync_batchnorm(
     device_type: str, requested: bool, sync_layers: Sequence[str], strategy_name: str = "this strategy"
 ) -> None:
-    """Synchronised batch norm needs an accelerator: torch's ``SyncBatchNorm`` refuses CPU tensors.
-
-    Args:
-        device_type: the device the module is on.
-        requested: ``Trainer(sync_batchnorm=True)``.
-        sync_layers: names of the module's ``SyncBatchNorm`` layers (converted by the user).
-        strategy_name: the strategy's registered name, for the message.
+    """Synchronised batch norm (``requested`` by the Trainer, or ``sync_layers`` in the module) needs an
+    accelerator: torch's ``SyncBatchNorm`` refuses CPU tensors.
 
     Raises:
         AdasumConfigurationError: synchronised batch norm on CPU.
@@ -87,27 +81,23 @@ def check_sync_batchnorm(
 
 
 def sampler_seed(strategy: Any) -> int:
-    """Rank 0's ``seed_everything`` seed, for every rank's ``DistributedSampler`` (a broadcast: every rank
-    calls this). Ranks seeded differently, to vary dropout or augmentation, would otherwise shuffle with
-    different permutations and read overlapping shards."""
+    """Rank 0's ``seed_everything`` seed for every rank's sampler (a broadcast): no overlapping shards."""
     return int(strategy.broadcast(int(os.environ.get("PL_GLOBAL_SEED", 0)), src=0))
 
 
 def make_parameters_contiguous(module: Module) -> None:
-    """Give each non-contiguous parameter a contiguous copy of its values (the same ``Parameter`` object):
-    the update reductions work on parameters in place."""
+    """Make each parameter contiguous in place (the same ``Parameter``): the reductions work in place."""
     for param in module.parameters():
         if not param.data.is_contiguous():
             param.data = param.data.contiguous()
 
 
 def prepare_unwrapped_module(strategy: Any, module: Module) -> None:
-    """Check ``module`` for a strategy that reduces updates itself, then give every rank the first rank's
-    parameters and buffers (``fabric.setup`` under those strategies; no ``DistributedDataParallel``).
+    """Check ``module``, then give every rank the first rank's parameters and buffers (``fabric.setup``).
 
     Raises:
-        AdasumConfigurationError: on every rank — a module already wrapped in ``DistributedDataParallel``,
-            on several devices, or with ``SyncBatchNorm`` layers on CPU.
+        AdasumConfigurationError: on every rank: a module wrapped in ``DistributedDataParallel``, on several
+            devices, or with ``SyncBatchNorm`` layers on CPU.
     """
     name = strategy.strategy_name
     with reported_on_every_rank(strategy.global_rank):

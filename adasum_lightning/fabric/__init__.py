@@ -1,10 +1,5 @@
-"""The strategies for ``lightning_fabric.Fabric`` (and, loaded as ``adasum_lightning.lightning.fabric``, for
-``lightning.fabric.Fabric``; see :mod:`adasum_lightning._namespaces`).
-
-This subpackage imports ``lightning_fabric`` by name (never ``pytorch_lightning``: ``pip install
-lightning-fabric`` alone is enough) and its own modules relatively: its copy for the unified package is the
-same files with that name renamed.
-"""
+"""The strategies for ``lightning_fabric.Fabric`` (never ``pytorch_lightning``); loaded as
+``adasum_lightning.lightning.fabric`` for ``lightning.fabric`` (:mod:`adasum_lightning._namespaces`)."""
 
 from __future__ import annotations
 
@@ -23,16 +18,13 @@ __all__ = [
     "HorovodStrategy",
 ]
 
-# Registered by name with the strategy registry on import: Fabric(strategy="ddp_adasum"),
-# Fabric(strategy="fsdp_adasum").
 for _strategy in (DDPAdasumStrategy, FSDPAdasumStrategy):
     _strategy.register_strategies(STRATEGY_REGISTRY)
 
-# Registers the Horovod strategies; last and as a module: importing that module first imports this package.
-import adasum_lightning.horovod.fabric as _horovod  # noqa: E402
+import adasum_lightning.horovod.fabric as _horovod  # noqa: E402  (registers them; last: it imports this package)
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"):
-        return getattr(_horovod, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __getattr__(name: str) -> Any:  # the Horovod strategies: that module imports this package first
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_horovod, name)

@@ -1,5 +1,4 @@
-"""``Fabric(strategy="fsdp_adasum")``: Adasum across replica groups, FSDP2 inside each
-(:mod:`adasum_lightning.sharded`), in Fabric."""
+"""``Fabric(strategy="fsdp_adasum")``: Adasum across replica groups, FSDP2 inside each."""
 
 from __future__ import annotations
 
@@ -7,147 +6,68 @@ import functools
 import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from lightning_fabric.accelerators import Accelerator
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision, TorchCheckpointIO
-from lightning_fabric.strategies import DDPStrategy
-from torch.distributed.constants import default_pg_timeout
-from torch.distributed.device_mesh import DeviceMesh
+from lightning_fabric.plugins import TorchCheckpointIO
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import adasum_lightning.checkpoint as ckpt
-from adasum_lightning._namespaces import register
-from adasum_lightning.allreduce import release_workspace
+import adasum_lightning.sharded as sharding
 from adasum_lightning.checkpoint import Filter, _is_stateful
 from adasum_lightning.errors import reported_on_every_rank
-from adasum_lightning.launch_environment import check_strategy_world_size
 from adasum_lightning.mesh import ReplicaMesh, broadcast_module_from_rank_zero, check_mesh_options
-from adasum_lightning.replicas import prepare_unwrapped_module, sampler_seed
-from adasum_lightning.sharded import (
-    check_optimizer_of_sharded_module,
-    full_state_dict,
-    load_full_state_dict,
-    local_shards,
-    optimizer_state_to_local,
-    optimizer_state_to_shards,
-    shard_module,
-    sharded_adasum_step,
-)
-from adasum_lightning.step import check_wire_compression, optimizer_parameters
+from adasum_lightning.replicas import prepare_unwrapped_module
+from adasum_lightning.step import optimizer_parameters
 
 from . import _compat
+from ._base import UpdateReducingDDPStrategy
 
 __all__ = ["FSDPAdasumStrategy"]
 
 
-class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
+class FSDPAdasumStrategy(ReplicaMesh, UpdateReducingDDPStrategy):
     """Adasum across replica groups of ``shard_size`` ranks, each group training a model sharded by FSDP2.
 
-    The semantics of the Trainer's ``fsdp_adasum`` (docs/fsdp_adasum.md): a 2-D mesh ``replicate × shard``
-    (:attr:`device_mesh`, row-major); inside a replica group FSDP2 averages the gradients of its ranks'
-    batches and each rank steps its own shard; across the groups the parameter deltas of that step are
-    combined by Adasum per whole parameter (:func:`adasum_lightning.sharded.sharded_adasum_step`). Every rank
-    reads its own batches (``fabric.setup_dataloaders``: a shard per rank, rank 0's shuffling seed); the
-    learning rate needs no scaling by the number of groups.
-
-    ``fabric.setup_module(model)`` gives every rank rank 0's parameters and buffers, then applies
-    ``fully_shard(child, mesh=mesh["shard"])`` to each top-level child with parameters and to the model
-    (:func:`adasum_lightning.sharded.shard_module`). Build the optimizer from the parameters of the model
-    set up; ``fabric.setup(model, optimizer)`` rebinds an optimizer built before to the sharded parameters.
-    A model that already holds FSDP2 modules (``fully_shard(block, mesh=strategy.device_mesh["shard"])`` after
-    ``fabric.launch()``) is sharded at the root only, each rank taking replica group 0's shards.
-    ``fabric.no_backward_sync`` skips FSDP2's reduce-scatter (the gradients accumulate unsharded until the
-    stepping batch); ``fabric.clip_gradients(max_norm=...)`` clips by the whole model's norm (FSDP2's
-    ``DTensor`` gradients: torch's ``clip_grad_norm_`` reduces it over the shard group).
-
-    ``fabric.save`` writes the whole model (gathered over the shard group) and rank 0's optimizer shard into
-    the file, every other rank's beside it (``<file>.rank<r>-optimizer.pt``) and the mesh under
-    ``"adasum_sharded_optimizer_mesh"``, as the Trainer's ``fsdp_adasum``; ``fabric.load`` restores them on
-    the same mesh (each rank its own shard), or from a ``ddp_adasum`` file (each rank its chunk of the
-    whole optimizer state).
+    The Trainer's ``fsdp_adasum`` (docs/fsdp_adasum.md). ``fabric.setup`` shards the model and rebinds an
+    optimizer built before to the sharded parameters; ``fabric.no_backward_sync`` skips the reduce-scatter.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for ``DDPStrategy``.
-        process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
-        shard_size: the ranks of one replica group (default: the processes per node, ``devices``); it must
-            divide the world size.
-        mp_policy: FSDP2's mixed precision for every ``fully_shard`` (e.g. ``MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``).
-        state_dict_type: ``"full"`` (the file described above) or ``"sharded"`` (``fabric.save`` writes a
-            folder through ``torch.distributed.checkpoint``: every rank its shards, no gathering; it resumes
-            on any mesh, replica group ``q`` taking saved group ``q mod R_old``'s optimizer state).
-        sync_every, combine, outer_optimizer: ``ddp_adasum``'s local SGD, refused with a mesh (use
-            ``ddp_adasum``).
-        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece sent across the replica groups is
-            rounded to that dtype (as for ``ddp_adasum``).
+        shard_size, mp_policy, state_dict_type, sync_every, combine, outer_optimizer: as for the Trainer's
+            ``fsdp_adasum``.
+        **kwargs: :class:`~adasum_lightning.fabric._base.UpdateReducingDDPStrategy`'s (``DDPStrategy``'s,
+            ``compression``).
 
     Raises:
-        AdasumConfigurationError: on every rank, before the first step — a ``shard_size`` that does not
-            divide the world size, a launcher ``WORLD_SIZE`` that ``devices × num_nodes`` does not describe, a
-            module already wrapped in ``DistributedDataParallel`` or on several devices, an optimizer over
-            parameters of the model before it was sharded, a full checkpoint of optimizer shards of another
-            mesh, ``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``; when built, an unknown
-            ``compression``.
+        AdasumConfigurationError: on every rank, before the first step: an invalid option, launch or module,
+            an optimizer over the parameters before sharding, a full checkpoint of another mesh.
     """
 
     strategy_name = "fsdp_adasum"
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         shard_size: int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
         state_dict_type: str = "full",
         sync_every: int = 1,
         combine: str = "adasum",
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
-        compression: str | None = None,
+        **kwargs: Any,
     ) -> None:
         check_mesh_options(self.strategy_name, sync_every, combine, outer_optimizer is not None)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(**kwargs)
         self._backward_sync_control = _ShardedGradientsSyncControl()
         self.shard_size = shard_size
         self.mp_policy = mp_policy
         self.state_dict_type = ckpt.check_state_dict_type(state_dict_type, self.strategy_name)
-        self.compression = compression
-        self.wire_dtype = check_wire_compression(compression, self.strategy_name)
-        self._device_mesh: DeviceMesh | None = None
         self._sharded_parameters: set[int] = set()  # ids of the parameters of the modules set up
 
-    # ------------------------------------------------------------------------------------------ properties
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """A shard per rank (every rank reads its own batches), with rank 0's ``seed_everything`` seed."""
-        return {**super().distributed_sampler_kwargs, "seed": sampler_seed(self)}
-
-    # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
-        check_strategy_world_size(self, api="Fabric")
         super().setup_environment()
         self._build_mesh()
 
@@ -155,26 +75,26 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], *scheduler: Any
     ) -> tuple[Any, ...]:
-        """``fabric.setup(model, optimizer, ...)``: shard the model (:meth:`setup_module`), then point each
-        optimizer at the sharded parameters that replaced the ones it was built with (the same order)."""
+        """Shard the model, then point each optimizer at the sharded parameters that replaced its own."""
         names = {id(p): name for name, p in module.named_parameters()}
         module = self.setup_module(module)
         sharded = dict(module.named_parameters())
         for optimizer in optimizers:
             with reported_on_every_rank(self.global_rank):
-                check_optimizer_of_sharded_module(self.strategy_name, 0, 0, has_state=bool(optimizer.state))
+                has_state = bool(optimizer.state)
+                sharding.check_optimizer_of_sharded_module(self.strategy_name, 0, 0, has_state=has_state)
             for group in optimizer.param_groups:
                 group["params"] = [sharded.get(names.get(id(p), ""), p) for p in group["params"]]
         return (module, [self.setup_optimizer(o) for o in optimizers], *scheduler)
 
     @override
     def setup_module(self, module: Module) -> Module:
-        """Rank 0's parameters and buffers on every rank, then FSDP2 on ``mesh["shard"]`` (see the class)."""
+        """Rank 0's parameters and buffers on every rank, then FSDP2 on ``mesh["shard"]``."""
         if any(isinstance(m, FSDPModule) for m in module.modules()):  # sharded by the user on mesh["shard"]
             broadcast_module_from_rank_zero(module, self.replicate_group)
         else:
             prepare_unwrapped_module(self, module)
-        shard_module(module, self.device_mesh["shard"], self.mp_policy)
+        sharding.shard_module(module, self.device_mesh["shard"], self.mp_policy)
         self._sharded_parameters.update(id(p) for p in module.parameters())
         return module
 
@@ -184,54 +104,42 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         params = optimizer_parameters(optimizer)
         stale = sum(1 for p in params if id(p) not in self._sharded_parameters)
         with reported_on_every_rank(self.global_rank):
-            check_optimizer_of_sharded_module(self.strategy_name, stale, len(params))
+            sharding.check_optimizer_of_sharded_module(self.strategy_name, stale, len(params))
         return optimizer
 
-    @override
-    def teardown(self) -> None:
-        release_workspace()  # the reduction's buffers, kept between steps
-        super().teardown()
-
-    # ------------------------------------------------------------------------------------------ step
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Fabric's local step in this replica group (FSDP2), then the Adasum of the deltas across groups."""
         params = optimizer_parameters(optimizer)
         with reported_on_every_rank(self.global_rank):
-            local_shards(params, self.shard_group, self.strategy_name)
+            sharding.local_shards(params, self.shard_group, self.strategy_name)
         local_step = functools.partial(super().optimizer_step, optimizer, **kwargs)
-        timeout = _compat.process_group_timeout(self)
+        timeout = self._timeout
         groups = self.replicate_group, self.shard_group
-        return sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
+        return sharding.sharded_adasum_step(params, local_step, *groups, timeout, self.wire_dtype)
 
-    # ------------------------------------------------------------------------------------------ checkpoints
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """The whole module's state (every rank gathers over its shard group: a collective)."""
-        return full_state_dict(module, self.shard_group if self._device_mesh is not None else None)
+        return sharding.full_state_dict(module, self.shard_group if self._device_mesh is not None else None)
 
     @override
     def load_module_state_dict(
         self, module: Module, state_dict: dict[str, Any | torch.Tensor], strict: bool = True
     ) -> None:
         """Each rank copies its chunk of the whole saved tensors into its shards."""
-        load_full_state_dict(module, state_dict, self.shard_group, strict=strict)
+        sharding.load_full_state_dict(module, state_dict, self.shard_group, strict=strict)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's optimizer state, its shards as plain tensors."""
-        return optimizer_state_to_local(optimizer.state_dict())
+        return sharding.optimizer_state_to_local(optimizer.state_dict())
 
     @override
     def save_checkpoint(
-        self,
-        path: Any,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: Filter | None = None,
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Filter | None = None
     ) -> None:
-        """The file of the whole model and every rank's optimizer shard (:meth:`_save_full`); with
-        ``state_dict_type="sharded"`` the folder ``path`` (:meth:`_save_sharded`)."""
+        """The file of the whole model and every rank's optimizer shard, or with ``"sharded"`` the folder."""
         if self.state_dict_type == "full":
             return self._save_full(path, state, storage_options, filter)
         with reported_on_every_rank(self.global_rank):
@@ -241,8 +149,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
     def _save_full(
         self, path: Any, state: dict[str, Any], storage_options: Any, filter: Filter | None
     ) -> None:
-        """The file of the whole model, with the mesh and the save's identity, and every rank's own optimizer
-        shard (rank 0's in the file, the others beside it), each renamed into place."""
+        """The whole model, the mesh and the save's identity; each rank's optimizer shard (rank 0's in the
+        file, the others beside it)."""
         modules, optimizers = self.get_module_state_dict, self.get_optimizer_state
         converted, keys = ckpt.convert_state(state, modules, optimizers, filter)
         if keys:
@@ -257,9 +165,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
             ckpt.commit_rank_file(path, self.global_rank, self.barrier)
 
     def _save_sharded(self, path: Any, state: dict[str, Any]) -> None:
-        """``torch.distributed.checkpoint`` of each module's shards (``<key>.<name>``) and of every replica
-        group's optimizer state (``<key>.replica<q>.<parameter>.<state>``); the rest (rank 0's), the
-        optimizers' param groups and state layouts and the mesh in ``<path>/meta.pt``."""
+        """Each module's shards and each replica group's optimizer state (``torch.distributed.checkpoint``);
+        the rest, the param groups, state layouts and mesh in ``<path>/meta.pt``."""
         names = self._parameter_names(state)
         replica = self.device_mesh.get_local_rank("replicate")
         tensors: dict[str, Any] = {}
@@ -289,8 +196,8 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
         }
 
     def _load_sharded(self, path: Any, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-        """Restore ``state`` from a folder of :meth:`_save_sharded`, saved on any ``R_old × S_old`` mesh: the
-        modules resharded, replica group ``q`` taking group ``q mod R_old``'s optimizer state."""
+        """Restore ``state`` from a folder of :meth:`_save_sharded` saved on any mesh (replica group ``q``
+        takes group ``q mod R_old``'s optimizer state)."""
         meta = ckpt.read_sharded_meta(path)
         saved_groups = int(meta.pop(ckpt.SHARDED_OPTIMIZER_MESH)[0])
         layouts = meta.pop(ckpt.SHARDED_LAYOUTS)
@@ -318,26 +225,18 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any
     ) -> dict[str, Any]:
-        """Restore ``state`` from a file of :meth:`save_checkpoint` (or of ``ddp_adasum``; :meth:`_load_full`)
-        or from a folder of ``state_dict_type="sharded"`` on any mesh (:meth:`_load_sharded`).
-
-        Returns:
-            The items of the file that ``state`` did not name.
-        """
+        """Restore ``state`` from a file or a sharded folder; returns the items ``state`` did not name."""
         if os.path.isdir(path) and state and not isinstance(state, (Module, Optimizer)):
             return self._load_sharded(path, state, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, **kwargs)
         return self._load_full(path, checkpoint, state, strict) if state else checkpoint
 
     def _load_full(self, path: Any, checkpoint: dict[str, Any], state: Any, strict: bool) -> dict[str, Any]:
-        """The model from the whole tensors, each optimizer from this rank's own shard (the same mesh only;
-        the rank files checked against the file on every rank).
+        """The model from the whole tensors, each optimizer from this rank's own shard (same mesh only).
 
         Raises:
-            AdasumConfigurationError: a file of optimizer shards saved on another mesh.
-            IncompleteCheckpointError: this rank's file missing, unreadable or from another save.
-            KeyError: with ``strict``, a key of ``state`` that the file lacks.
-            TypeError: ``state`` an optimizer alone (pass ``{"optimizer": optimizer, ...}``).
+            AdasumConfigurationError: optimizer shards of another mesh (IncompleteCheckpointError: this
+                rank's file missing or from another save; KeyError: a missing key; TypeError: an optimizer).
         """
         if isinstance(state, Module):
             self.load_module_state_dict(state, checkpoint, strict=strict)
@@ -360,23 +259,16 @@ class FSDPAdasumStrategy(ReplicaMesh, DDPStrategy):
 
         def load_optimizer(key: str, optimizer: Optimizer, value: Any) -> None:
             optimizer.load_state_dict(own.get(key, value))
-            optimizer_state_to_shards(optimizer, self.shard_group, whole=saved_mesh is None)
+            sharding.optimizer_state_to_shards(optimizer, self.shard_group, whole=saved_mesh is None)
 
         def load_module(module: Module, value: Any) -> None:
             self.load_module_state_dict(module, value, strict=strict)
 
         return ckpt.restore_state(state, checkpoint, strict, load_module, load_optimizer)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register(strategy_registry, cls)
-
 
 class _ShardedGradientsSyncControl(_compat.BackwardSyncControl):
-    """``fabric.no_backward_sync`` under FSDP2: no reduce-scatter in the skipped backward passes (each FSDP2
-    module's ``set_requires_gradient_sync(False)``); the gradients accumulate unsharded and the stepping
-    batch's backward reduce-scatters their sum."""
+    """``fabric.no_backward_sync`` under FSDP2: no reduce-scatter in the skipped backward passes."""
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:

@@ -1,26 +1,18 @@
-"""``Fabric(strategy="horovod_adasum")`` and ``Fabric(strategy="horovod")``: Horovod's optimizer in Fabric,
-the counterparts of :mod:`adasum_lightning.horovod.trainer`; and the cluster environment of both APIs'
-Horovod strategies, :class:`HorovodEnvironment`. Importing it registers the strategies; its copy for
-``lightning.fabric`` is this file with the package names renamed (:mod:`adasum_lightning._namespaces`).
-"""
+"""The Horovod strategies for Fabric (``horovod_adasum``, ``horovod``) and :class:`HorovodEnvironment`, the
+cluster environment of both APIs' Horovod strategies. Importing it registers the strategies."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from datetime import timedelta
 from typing import Any
 
-import torch
-from lightning_fabric.accelerators import Accelerator
-from lightning_fabric.plugins import CheckpointIO, Precision
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from lightning_fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning_fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -53,13 +45,9 @@ def _from_horovod(name: str, before_init: Callable[[], int]) -> int:
 
 
 class HorovodEnvironment(ClusterEnvironment):
-    """Ranks and sizes from Horovod once it is initialised, from the launcher's variables before.
+    """Ranks and sizes from Horovod once it is initialised (never by reading them), else from the launcher.
 
-    The launcher (``horovodrun``, ``mpirun``, Azure ML) creates the processes. Reading a rank never
-    initialises Horovod: the strategy calls ``hvd.init()`` when fitting starts (``fabric.launch()`` under
-    Fabric). :attr:`main_address` and :attr:`main_port` are where the ``torch.distributed`` group beside
-    Horovod meets, set by the strategy after ``hvd.init()``; before, ``MASTER_ADDR``/``MASTER_PORT`` or
-    ``127.0.0.1`` and 0.
+    The strategy sets where the process group beside Horovod meets and the node rank after ``hvd.init()``.
     """
 
     def __init__(self) -> None:
@@ -83,13 +71,11 @@ class HorovodEnvironment(ClusterEnvironment):
     def main_port(self) -> int:
         return self._main_port if self._main_port is not None else int(os.environ.get("MASTER_PORT", 0))
 
-    @staticmethod
-    def free_port() -> int:
-        """A free TCP port on this host for rank 0's store: Lightning's ``find_free_network_port``."""
-        return find_free_network_port()
+    #: A free TCP port on this host for rank 0's store.
+    free_port = staticmethod(find_free_network_port)
 
     def set_main_address_and_port(self, address: str, port: int) -> None:
-        """Where rank 0 hosts the process group's TCP store (set by the strategy after ``hvd.init()``)."""
+        """Where rank 0 hosts the process group's TCP store."""
         self._main_address, self._main_port = address, int(port)
 
     @staticmethod
@@ -104,15 +90,13 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def set_world_size(self, size: int) -> None:
-        pass  # fixed by the launcher
+        pass  # fixed by the launcher, as the rank
 
     @override
     def global_rank(self) -> int:
         return _from_horovod("rank", launcher_rank)
 
-    @override
-    def set_global_rank(self, rank: int) -> None:
-        pass  # fixed by the launcher
+    set_global_rank = set_world_size
 
     @override
     def local_rank(self) -> int:
@@ -124,11 +108,7 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @override
     def node_rank(self) -> int:
-        """The index of this process's host among the job's hosts, in the order of their lowest rank.
-
-        Set by the strategy after ``hvd.init()`` (Horovod's ``cross_rank`` is not a node rank when hosts run
-        different numbers of processes); before that, rank ÷ processes per node.
-        """
+        """This host's index among the job's hosts (set after ``hvd.init()``); before, rank ÷ local size."""
         if self._node_rank is not None:
             return self._node_rank
         return self.global_rank() // max(1, self.local_world_size())
@@ -140,27 +120,19 @@ class HorovodEnvironment(ClusterEnvironment):
 class HorovodStrategy(HorovodProcess, DDPStrategy):
     """Fabric with Horovod's gradient averaging: one process per device, started by ``horovodrun``/``mpirun``.
 
-    ``fabric.setup`` gives every rank the first rank's parameters and buffers (no ``DistributedDataParallel``)
-    and wraps each optimizer in ``hvd.DistributedOptimizer(op=hvd.Average)``. ``optimizer.step()`` and
-    ``fabric.clip_gradients`` wait for the gradient allreduce first, so clipping sees the averaged gradients;
-    a closure optimizer (LBFGS) gets each evaluation's gradients and loss averaged. Fabric has no hook that
-    scales the learning rate, so ``setup_optimizer`` does (``lr_scaling``): build schedulers after
-    ``fabric.setup``. Horovod's hooks cannot be paused: ``fabric.no_backward_sync`` counts the skipped passes
-    against ``backward_passes_per_step``. Launch and process group: :class:`~adasum_lightning.horovod.process.
-    HorovodProcess`.
+    Each optimizer is wrapped in ``hvd.DistributedOptimizer(op=hvd.Average)``; ``setup_optimizer`` scales
+    its learning rates (build schedulers after ``fabric.setup``).
 
     Args:
-        accelerator, parallel_devices, checkpoint_io, precision: as for ``DDPStrategy``.
-        process_group_backend, timeout: of the ``torch.distributed`` process group beside Horovod.
         lr_scaling: ``"auto"`` (× world size here), ``"none"`` or a positive factor.
         backward_passes_per_step: backward passes per optimizer step (gradient accumulation), Horovod's.
         compression, gradient_predivide_factor: Horovod's (see :class:`~.process.HorovodProcess`).
+        **kwargs: ``DDPStrategy``'s but ``cluster_environment`` (``process_group_backend`` and ``timeout``:
+            of the process group beside Horovod).
 
     Raises:
-        ValueError: an invalid ``lr_scaling``, ``backward_passes_per_step`` or ``compression``.
-        AdasumConfigurationError: on every rank, before the first step — a bad launch, a module on several
-            devices, wrapped in ``DistributedDataParallel``, with bfloat16 parameters or ``SyncBatchNorm`` on
-            CPU, more backward passes skipped than ``backward_passes_per_step`` leaves.
+        ValueError: an invalid option.
+        AdasumConfigurationError: on every rank: a bad launch or module, too many passes skipped.
     """
 
     strategy_name = "horovod"
@@ -169,26 +141,15 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         lr_scaling: str | float = "auto",
         backward_passes_per_step: int = 1,
         compression: str = "none",
         gradient_predivide_factor: float = 1.0,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=HorovodEnvironment(),
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        super().__init__(cluster_environment=HorovodEnvironment(), **kwargs)
+        if self._ddp_kwargs:
+            raise TypeError(f"{type(self).__name__}: unexpected keyword arguments {list(self._ddp_kwargs)}")
         self.lr_scaling = check_lr_scaling(lr_scaling)
         passes = backward_passes_per_step
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
@@ -204,21 +165,15 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         self._skipped_passes = 0  # backward passes under no_backward_sync since the last step
         self._backward_sync_control = _CountedBackwardSyncControl(self)
 
-    # ------------------------------------------------------------------------------------------ properties
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every Horovod rank a shard, shuffled with rank 0's ``seed_everything`` seed (a broadcast, when
-        ``fabric.setup_dataloaders`` runs on every rank)."""
+        """Every Horovod rank a shard, shuffled with rank 0's ``seed_everything`` seed (a broadcast)."""
         return {"num_replicas": self.world_size, "rank": self.global_rank, "seed": sampler_seed(self)}
 
-    # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup_module(self, module: Module) -> Module:
-        """Give every rank the first rank's parameters and buffers; no ``DistributedDataParallel`` wrapper.
-
-        The parameters' names become the names of their allreduce operations.
-        """
+        """Give every rank the first rank's parameters and buffers; their names name the allreduces."""
         self._check_module(module)
         prepare_unwrapped_module(self, module)
         prefix = f"module{self._modules_set_up}." if self._modules_set_up else ""
@@ -229,11 +184,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Scale the learning rates (``lr_scaling``) and wrap the optimizer in ``hvd.DistributedOptimizer``.
-
-        Horovod's optimizer starts with an empty state: set up an optimizer before loading its state
-        (``fabric.load``).
-        """
+        """Wrap the optimizer in ``hvd.DistributedOptimizer``, scale its learning rates; before loading it."""
         self._check_optimizers([optimizer])
         index = self._optimizers_set_up
         self._optimizers_set_up += 1
@@ -252,7 +203,6 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
         """The factor ``setup_optimizer`` applies to the learning rates (see ``lr_scaling``)."""
         return lr_factor(self.lr_scaling, self._auto_lr_factor)
 
-    # ------------------------------------------------------------------------------------------ step
     @override
     def clip_gradients_norm(
         self,
@@ -277,8 +227,7 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Averaging (also Adasum at world size 1, where Horovod averages): wait for the gradient allreduce
-        once, then Fabric's step. Adasum: Horovod's ``step()`` waits for the reduced deltas, applies them."""
+        """Averaging (also Adasum at world size 1): wait for the gradient allreduce, then Fabric's step."""
         try:
             if self.reduction == "Adasum" and self.world_size > 1:
                 return super().optimizer_step(optimizer, **kwargs)
@@ -316,44 +265,32 @@ class HorovodStrategy(HorovodProcess, DDPStrategy):
 class HorovodAdasumStrategy(HorovodStrategy):
     """Fabric with Horovod's Adasum of parameter deltas: one process per device, started by ``horovodrun``.
 
-    Each optimizer is wrapped in ``hvd.DistributedOptimizer(op=hvd.Adasum)``: in ``fabric.backward`` each
-    parameter's hook steps it alone and starts the Adasum allreduce of its delta; ``optimizer.step()`` applies
-    the reduced delta (the Trainer's ``horovod_adasum``). Each rank keeps its own optimizer state; no
-    world-size learning-rate scaling. What must act before a local step inside backward cannot: clipping,
-    fp16 with a gradient scaler and closure optimizers (LBFGS) are refused.
+    Each parameter's hook in ``fabric.backward`` steps it and starts the Adasum of its delta, so clipping,
+    fp16 with a gradient scaler and closure optimizers are refused.
 
     Args: as :class:`HorovodStrategy`.
 
     Raises:
-        AdasumConfigurationError: on every rank, before the first step — the refusals above,
-            ``gradient_predivide_factor`` ≠ 1, Horovod's Adasum world rules, :class:`HorovodStrategy`'s.
+        AdasumConfigurationError: on every rank: the refusals above, Horovod's Adasum rules.
     """
 
     strategy_name = "horovod_adasum"
     reduction = "Adasum"
 
-    # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def _validate_environment(self) -> None:
         super()._validate_environment()
         support.check_precision(self.precision.precision)
 
-    # ------------------------------------------------------------------------------------------ step
     @override
     def _before_clipping(self, optimizer: Optimizer, kind: str, limit: float) -> None:
-        """Refused: the local step ran inside backward (see the class).
-
-        Raises:
-            AdasumConfigurationError: on every rank, naming the strategies that can clip.
-        """
+        """Refused on every rank: the local step ran inside backward."""
         with reported_on_every_rank(self.global_rank):
             raise support.clipping_refused(self.strategy_name, kind, limit)
 
 
 class _CountedBackwardSyncControl(BackwardSyncControl):
-    """``fabric.no_backward_sync`` under Horovod: its hooks cannot be paused, but reduce only on the
-    ``backward_passes_per_step``-th pass (or at ``optimizer.step()``); each skipped pass is counted against
-    that window."""
+    """``fabric.no_backward_sync`` under Horovod: each skipped pass counts against the window."""
 
     def __init__(self, strategy: HorovodStrategy) -> None:
         self._strategy = strategy
@@ -365,6 +302,5 @@ class _CountedBackwardSyncControl(BackwardSyncControl):
         return nullcontext()
 
 
-# Registered by name with the strategy registry on import: Fabric(strategy="horovod_adasum").
 for _strategy in (HorovodAdasumStrategy, HorovodStrategy):
     _strategy.register_strategies(STRATEGY_REGISTRY)

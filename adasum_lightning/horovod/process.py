@@ -1,5 +1,4 @@
-"""What the Horovod strategies of both Lightning APIs do the same way; imports no Lightning package, so every
-copy of the strategies imports it as it is."""
+"""What the Horovod strategies of both Lightning APIs share; imports no Lightning package."""
 
 from __future__ import annotations
 
@@ -22,16 +21,12 @@ __all__ = ["HorovodProcess", "agree_on_process_group", "process_group_address"]
 
 
 class HorovodProcess:
-    """One process per device, started by ``horovodrun``/``mpirun``: Horovod's start, its launch rules, the
-    ``torch.distributed`` process group beside it, its optimizer wrapper and its learning-rate policy.
+    """One process per device, started by ``horovodrun``/``mpirun``: Horovod's start, launch rules, optimizer
+    wrapper and learning-rate policy, and the ``torch.distributed`` process group beside it.
 
-    Mixed in before a Lightning ``DDPStrategy`` (Trainer's or Fabric's), whose process group then carries
-    Lightning's own collectives; that strategy provides ``cluster_environment``, ``world_size``,
-    ``global_rank``, ``local_rank`` and ``num_nodes``. The class sets ``strategy_name`` and ``reduction``
-    (Horovod's op name, ``"Average"`` or ``"Adasum"``); ``__init__`` calls :meth:`_set_options`:
-    ``compression`` (``"none"`` or ``"fp16"``: Horovod's ``Compression.fp16``, float16 on the wire only) and
-    ``gradient_predivide_factor`` (Horovod's averaging split: ÷ factor before the sum, × factor ÷ size after;
-    1 for Adasum).
+    Mixed in before a Lightning ``DDPStrategy`` (Trainer's or Fabric's), which provides the attributes
+    declared below. ``__init__`` calls :meth:`_set_options` with ``compression`` (``"none"`` or ``"fp16"``,
+    Horovod's wire dtype) and ``gradient_predivide_factor`` (Horovod's averaging split; 1 for Adasum).
     """
 
     strategy_name: str
@@ -51,8 +46,7 @@ class HorovodProcess:
 
     @property
     def hvd(self) -> Any:
-        """The ``horovod.torch`` module, imported on first use (:func:`~adasum_lightning.horovod.support.
-        import_horovod` names the fix when it is missing)."""
+        """The ``horovod.torch`` module, imported on first use."""
         if self._hvd is None:
             self._hvd = support.import_horovod()
         return self._hvd
@@ -68,8 +62,8 @@ class HorovodProcess:
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        # Whatever ``devices`` Lightning was given (e.g. "auto": every GPU of the node), this process drives
-        # one: cuda:<local rank>, or the CPU. The requested count is kept for the launch check.
+        # Whatever ``devices`` Lightning was given, this process drives one: cuda:<local rank> or the CPU. The
+        # requested count is kept for the launch check.
         if devices:
             self._requested_devices = len(devices)
             kind = torch.device(devices[0]).type
@@ -88,38 +82,25 @@ class HorovodProcess:
                 support.check_gradient_predivide_factor(self.gradient_predivide_factor)
 
     def setup_environment(self) -> None:
-        """``hvd.init()``, the launch rules, then the ``torch.distributed`` process group at the address and
-        port rank 0 picks and Horovod broadcasts (``MASTER_ADDR``/``MASTER_PORT`` when set).
+        """``hvd.init()``, the launch rules, then the ``torch.distributed`` process group beside Horovod.
 
         Raises:
-            AdasumConfigurationError: on every rank, before the first collective (a bad launch can crash or
-                hang in one): a process Horovod sees alone though more were started or ``devices`` > 1, the
-                rules of :meth:`_validate_environment`, a loopback address for a job on several hosts.
+            AdasumConfigurationError: on every rank, before the first collective: a bad launch.
         """
         hvd = self.hvd
         hvd.init()
         rank_zero_only.rank = hvd.rank()
         with reported_on_every_rank(hvd.rank()):
-            support.check_launch(
-                hvd.size(),
-                detect_launcher(),
-                self._requested_devices,
-                api=self.api,
-                strategy_name=self.strategy_name,
-            )
+            devices, name = self._requested_devices, self.strategy_name
+            support.check_launch(hvd.size(), detect_launcher(), devices, api=self.api, strategy_name=name)
             self._validate_environment()
         self.num_nodes = agree_on_process_group(hvd, self.cluster_environment)
         super().setup_environment()  # type: ignore[misc]
 
     def _validate_environment(self) -> None:
-        """Rules on the launch, right after ``hvd.init()``; under Adasum its world rules (a warning on rank 0
-        where Horovod's Adasum works but not as the docs describe)."""
-        support.check_cpu_operations(
-            mpi_enabled=self.hvd.mpi_enabled(),
-            cpu_operations=os.environ.get("HOROVOD_CPU_OPERATIONS"),
-            strategy_name=self.strategy_name,
-        )
-        hvd = self.hvd
+        """Rules on the launch, right after ``hvd.init()``; under Adasum its world rules."""
+        hvd, name, cpu = self.hvd, self.strategy_name, os.environ.get("HOROVOD_CPU_OPERATIONS")
+        support.check_cpu_operations(mpi_enabled=hvd.mpi_enabled(), cpu_operations=cpu, strategy_name=name)
         if self.reduction != "Adasum" or hvd.size() == 1:
             return  # Adasum's rules: a world of 1 reduces nothing
         support.check_controller(
@@ -131,27 +112,20 @@ class HorovodProcess:
             rank_zero_warn(warning)
 
     def _check_module(self, module: Module) -> None:
-        """Refuse, on every rank, bfloat16 parameters on CPU (:func:`~.support.check_horovod_dtypes`)."""
+        """Refuse, on every rank, bfloat16 parameters on CPU."""
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
         with reported_on_every_rank(self.global_rank):
-            support.check_horovod_dtypes(
-                self.strategy_name,
-                self.root_device.type,
-                {p.dtype for p in module.parameters() if p.requires_grad},
-            )
+            support.check_horovod_dtypes(self.strategy_name, self.root_device.type, dtypes)
 
     def _check_optimizers(self, optimizers: list[Optimizer]) -> None:
         """Refuse, on every rank, a closure optimizer under Adasum (its local step runs inside backward)."""
         if self.reduction == "Adasum":
+            names = [type(opt).__name__ for opt in optimizers if support.needs_closure(opt)]
             with reported_on_every_rank(self.global_rank):
-                support.check_closure_optimizers(
-                    self.strategy_name,
-                    [type(opt).__name__ for opt in optimizers if support.needs_closure(opt)],
-                )
+                support.check_closure_optimizers(self.strategy_name, names)
 
     def _auto_lr_factor(self) -> float:
-        """``lr_scaling="auto"``: the world size for averaging (pytorch-lightning 1.x's Horovod strategy);
-        for Adasum 1, or ``hvd.local_size()`` on GPU with a NCCL-built Horovod, whose Adasum averages inside a
-        node (Horovod's ``docs/adasum_user_guide.rst``)."""
+        """``lr_scaling="auto"``: the world size (averaging); 1 or ``hvd.local_size()`` with NCCL (Adasum)."""
         if self.reduction == "Average":
             return float(self.world_size)
         on_gpu = self.root_device.type == "cuda"
@@ -160,11 +134,7 @@ class HorovodProcess:
     def _horovod_optimizer(
         self, optimizer: Optimizer, index: int, names: Mapping[Tensor, str], backward_passes_per_step: int
     ) -> Optimizer:
-        """``optimizer`` wrapped in ``hvd.DistributedOptimizer`` with this strategy's op and compression.
-
-        Its allreduce operations are named after the parameters (``names``); a parameter ``names`` lacks is
-        called ``optimizer<index>.group<g>.param<j>``.
-        """
+        """``optimizer`` in ``hvd.DistributedOptimizer``, its allreduces named after the parameters."""
         hvd = self.hvd
         named = [
             (names.get(p, f"optimizer{index}.group{g}.param{j}"), p)
@@ -186,9 +156,8 @@ class HorovodProcess:
     def _closure_then_synchronize(
         optimizer: Any, closure: Callable[[], Any], average_loss: bool, reduce: Callable[..., Tensor]
     ) -> Callable[[], Any]:
-        """``closure`` (forward, backward), then wait for the gradient allreduce of Horovod's ``optimizer``; a
-        tensor it returns is averaged over the ranks with ``reduce`` when ``average_loss``, so that every
-        rank decides alike (e.g. LBFGS's line search)."""
+        """``closure``, then wait for the gradient allreduce; with ``average_loss`` a tensor it returns is
+        averaged over the ranks, so that every rank decides alike (LBFGS's line search)."""
 
         def evaluate() -> Any:
             result = closure()
@@ -201,21 +170,11 @@ class HorovodProcess:
 
 
 def agree_on_process_group(hvd: Any, environment: Any) -> int:
-    """Rank 0 picks the address and port of the ``torch.distributed`` group; Horovod broadcasts them.
-
-    Also sets each rank's node rank (its host's index among the job's hosts).
-
-    Args:
-        hvd: ``horovod.torch``, initialised.
-        environment: the strategy's ``HorovodEnvironment``, which picks the free port and receives the
-            address, port and node rank.
-
-    Returns:
-        The number of hosts in the job.
+    """Rank 0 picks the address and port of the ``torch.distributed`` group and Horovod broadcasts them;
+    sets them and the node rank on ``environment``. Returns the number of hosts.
 
     Raises:
-        AdasumConfigurationError: on every rank, for a job on several hosts whose address would be a loopback
-            one (``MASTER_ADDR``, or rank 0's host name, resolving so); the message names ``MASTER_ADDR``.
+        AdasumConfigurationError: on every rank, for a job on several hosts with a loopback address.
     """
     proposal = (
         process_group_address(hvd.size() == hvd.local_size(), environment.free_port)
@@ -235,12 +194,9 @@ def agree_on_process_group(hvd: Any, environment: Any) -> int:
 def process_group_address(
     single_host: bool, free_port: Callable[[], int]
 ) -> tuple[str | None, int | None, str | None]:
-    """On rank 0: ``(address, port, problem)`` of the process group beside Horovod.
-
-    The address is ``MASTER_ADDR``, else ``127.0.0.1`` on one host, else what rank 0's host name resolves to;
-    the port is ``MASTER_PORT``, else ``free_port()``. ``problem`` (address and port None) says why a job on
-    several hosts cannot use a loopback address.
-    """
+    """On rank 0: ``(address, port, problem)`` of the process group beside Horovod: ``MASTER_ADDR``, else
+    ``127.0.0.1`` on one host, else rank 0's host's address; ``MASTER_PORT``, else ``free_port()``.
+    ``problem`` (address and port None) says why several hosts cannot use a loopback address."""
     port = int(os.environ.get("MASTER_PORT") or free_port())
     given = os.environ.get("MASTER_ADDR")
     if single_host:

@@ -1,9 +1,5 @@
-"""The strategies for ``pytorch_lightning.Trainer`` (and, loaded as ``adasum_lightning.lightning``, for
-``lightning.pytorch.Trainer``; see :mod:`adasum_lightning._namespaces`).
-
-This subpackage imports ``pytorch_lightning``/``lightning_fabric`` by name and its own modules relatively:
-its copy for the unified package is the same files with those two names renamed.
-"""
+"""The strategies for ``pytorch_lightning.Trainer``; loaded as ``adasum_lightning.lightning`` for
+``lightning.pytorch`` with the package names renamed (:mod:`adasum_lightning._namespaces`)."""
 
 from __future__ import annotations
 
@@ -22,15 +18,13 @@ __all__ = [
     "HorovodStrategy",
 ]
 
-# Registered by name with the StrategyRegistry on import: Trainer(strategy="ddp_adasum").
 for _strategy in (DDPAdasumStrategy, FSDPAdasumStrategy):
     _strategy.register_strategies(StrategyRegistry)
 
-# Registers the Horovod strategies; last and as a module: importing that module first imports this package.
-import adasum_lightning.horovod.trainer as _horovod  # noqa: E402
+import adasum_lightning.horovod.trainer as _horovod  # noqa: E402  (registers them; last: it imports this package)
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("HorovodAdasumStrategy", "HorovodEnvironment", "HorovodStrategy"):
-        return getattr(_horovod, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __getattr__(name: str) -> Any:  # the Horovod strategies: that module imports this package first
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_horovod, name)

@@ -1,9 +1,7 @@
-"""Every private Lightning and torch API the Trainer strategies use, in one place (Horovod's:
-:mod:`adasum_lightning.horovod._compat`).
+"""Every private Lightning and torch API the Trainer strategies use, checked by
+:func:`adasum_lightning._private_apis.missing` (Horovod's: :mod:`adasum_lightning.horovod._compat`).
 
-Each entry names where it was read; :func:`adasum_lightning._private_apis.missing` checks that the installed
-versions still have them (``tests/test_compat.py``). Read from pytorch-lightning 2.4.0 and 2.6.6 (lightning
-2.6.6 the same), torch 2.14.1.
+Read from pytorch-lightning 2.4.0 and 2.6.6 (lightning 2.6.6 the same), torch 2.14.1.
 """
 
 from __future__ import annotations
@@ -23,113 +21,57 @@ __all__ = [
     "configure_optimizers",
     "configure_schedulers",
     "sync_module_states",
-    "layer_sync",
-    "process_group_timeout",
     "has_sigterm_agreement",
-    "run_closure",
     "mark_step_for_schedulers",
 ]
 
 
+_BOTH, _NEW = "pytorch-lightning 2.4.0, 2.6.6", "pytorch-lightning 2.6.6"
+_STRATEGY = "pytorch_lightning.strategies.strategy"
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
-    PrivateApi("pytorch_lightning.core.optimizer", "_configure_optimizers", "pytorch-lightning 2.4.0, 2.6.6"),
-    PrivateApi(
-        "pytorch_lightning.core.optimizer",
-        "_configure_schedulers_automatic_opt",
-        "pytorch-lightning 2.4.0, 2.6.6",
-    ),
+    # benchmarks/simulate.py: a LightningModule's optimizers and schedulers, as the Trainer builds them.
+    PrivateApi("pytorch_lightning.core.optimizer", "_configure_optimizers", _BOTH),
+    PrivateApi("pytorch_lightning.core.optimizer", "_configure_schedulers_automatic_opt", _BOTH),
     # Lightning's broadcast of a module's parameters and buffers from rank 0 (torch's _sync_module_states).
-    PrivateApi(
-        "pytorch_lightning.overrides.distributed", "_sync_module_states", "pytorch-lightning 2.4.0, 2.6.6"
-    ),
-    PrivateApi(
-        "pytorch_lightning.strategies.strategy",
-        "Strategy",
-        "pytorch-lightning 2.4.0, 2.6.6",
-        attributes=("self._launcher",),
-    ),
-    # fsdp_adasum: the steps through the FSDP2 root module's forward (as DDPStrategy's through its wrapper),
-    # and the mesh a LightningModule's configure_model() reads (as ModelParallelStrategy sets it).
-    PrivateApi(
-        "pytorch_lightning.strategies.strategy",
-        "_ForwardRedirection",
-        "pytorch-lightning 2.6.6",
-        attributes=("self._forward_redirection",),
-    ),
-    PrivateApi(
-        "pytorch_lightning.core.module",
-        "LightningModule",
-        "pytorch-lightning 2.6.6",
-        attributes=("self._device_mesh",),
-    ),
+    PrivateApi("pytorch_lightning.overrides.distributed", "_sync_module_states", _BOTH),
+    PrivateApi(_STRATEGY, "Strategy", _BOTH, ("self._launcher",)),
+    # fsdp_adasum: the steps through the FSDP2 root's forward, and the mesh configure_model() reads.
+    PrivateApi(_STRATEGY, "_ForwardRedirection", _NEW, ("self._forward_redirection",)),
+    PrivateApi("pytorch_lightning.core.module", "LightningModule", _NEW, ("self._device_mesh",)),
     PrivateApi(
         "pytorch_lightning.strategies.parallel",
         "ParallelStrategy",
-        "pytorch-lightning 2.4.0, 2.6.6",
-        attributes=("self._parallel_devices", "self._layer_sync"),
+        _BOTH,
+        ("self._parallel_devices", "self._layer_sync"),
     ),
-    PrivateApi(
-        "pytorch_lightning.strategies.ddp",
-        "DDPStrategy",
-        "pytorch-lightning 2.4.0, 2.6.6",
-        attributes=("self._timeout",),
-    ),
-    PrivateApi(
-        "pytorch_lightning.core.optimizer",
-        "LightningOptimizer",
-        "pytorch-lightning 2.4.0, 2.6.6",
-        ("self._optimizer",),
-    ),
+    PrivateApi("pytorch_lightning.strategies.ddp", "DDPStrategy", _BOTH, ("self._timeout",)),
     # The closure and its hooks without the step: ddp_adasum(overlap_backward=True) steps during backward.
     PrivateApi(
         "pytorch_lightning.plugins.precision.precision",
         "Precision",
-        "pytorch-lightning 2.4.0, 2.6.6",
-        attributes=("def _wrap_closure", "self._after_closure(model, optimizer)"),
+        _BOTH,
+        ("def _wrap_closure", "self._after_closure(model, optimizer)"),
     ),
     # Rank 0's SIGTERM broadcast at every training batch: all ranks stop at the same step.
     PrivateApi(
         "pytorch_lightning.loops.training_epoch_loop",
         "_TrainingEpochLoop",
         "pytorch-lightning 2.6.6 (absent in 2.4.0)",
-        attributes=("_broadcast_sigterm_tensor",),
+        ("_broadcast_sigterm_tensor",),
         optional=True,
     ),
     PrivateApi(
-        "torch.optim.lr_scheduler",
-        "LRScheduler",
-        "torch 2.14.1",
-        attributes=("_wrapped_by_lr_sched", "_opt_called"),
+        "torch.optim.lr_scheduler", "LRScheduler", "torch 2.14.1", ("_wrapped_by_lr_sched", "_opt_called")
     ),
 )
 
 
-# ---------------------------------------------------------------------------------------------- Lightning
 #: ``LightningModule.configure_optimizers()``'s output → (optimizers, schedulers, monitor).
 configure_optimizers: Callable[[Any], tuple[list, list, Any]] = _configure_optimizers
 #: Scheduler specs → Lightning's ``LRSchedulerConfig`` list (automatic optimisation).
 configure_schedulers: Callable[[list, Any], list] = _configure_schedulers_automatic_opt
 #: Broadcast a module's parameters and buffers from rank 0 over the default group (any dtype, any layout).
 sync_module_states: Callable[[Any], None] = _sync_module_states
-
-
-def layer_sync(strategy: Any) -> Any:
-    """The layer synchronisation the Trainer gave the strategy (``sync_batchnorm=True``), else None."""
-    return strategy._layer_sync
-
-
-def process_group_timeout(strategy: Any) -> Any:
-    """The ``timeout`` a DDP strategy gives its process group (``DDPStrategy(timeout=...)``)."""
-    return strategy._timeout
-
-
-def run_closure(precision_plugin: Any, model: Any, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
-    """The closure (forward, backward), ``on_before_optimizer_step`` and clipping, without the step.
-
-    Returns:
-        The closure's result.
-    """
-    return precision_plugin._wrap_closure(model, optimizer, closure)
 
 
 def has_sigterm_agreement() -> bool:
@@ -139,13 +81,9 @@ def has_sigterm_agreement() -> bool:
     return hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
 
 
-# ---------------------------------------------------------------------------------------------- torch
 def mark_step_for_schedulers(optimizer: Optimizer) -> None:
-    """Let torch's LR schedulers see ``step()`` calls of an optimizer wrapped after they were created.
-
-    As ``LRScheduler`` does for its own optimizer (a marked ``step``, ``_opt_called``), so that they neither
-    warn nor lose track of the step order.
-    """
+    """Mark ``step()`` of an optimizer wrapped after its LR schedulers were created, as ``LRScheduler`` does,
+    so that they neither warn nor lose track of the step order."""
     step = optimizer.step
     if hasattr(step, "_wrapped_by_lr_sched"):
         return

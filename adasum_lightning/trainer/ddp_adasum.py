@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -35,82 +31,46 @@ from adasum_lightning.local_sgd import (
 from adasum_lightning.step import (
     PER_PARAMETER_OPTIMIZERS,
     BackwardAdasumStep,
+    adasum_step,
     check_overlap_backward,
     check_wire_compression,
+    optimizer_parameters,
     overlap_fallback_reason,
 )
 
-from . import _compat
 from ._base import UpdateReducingDDPStrategy
 
 __all__ = ["DDPAdasumStrategy"]
 
 
 class DDPAdasumStrategy(UpdateReducingDDPStrategy):
-    """Data-parallel training with Adasum on ``torch.distributed``: parameter deltas combined adaptively.
+    """Data-parallel training with Adasum of parameter deltas on ``torch.distributed``.
 
-    At each optimizer step every rank runs Lightning's local step (closure, precision plugin with fp16's
-    ``GradScaler``, clipping, the accumulation window, manual optimisation, closure optimizers such as LBFGS);
-    then the deltas ``d_r = θ_after − θ_before`` of that optimizer's parameters are combined by Adasum per
-    parameter tensor (Maleki et al., MLSys 2021; Horovod's pairing, any world size) and every rank sets
-    ``θ = θ_before + Adasum(d_0, …, d_{N−1})`` (:func:`adasum_lightning.step.adasum_step`). Each rank keeps
-    its own optimizer state and buffers; no world-size learning-rate scaling. Lightning, ``torchrun``, SLURM
-    or Azure ML start the processes; everything else across ranks is ``DDPStrategy``'s.
-
-    ``overlap_backward=True`` steps and reduces bucket by bucket during backward, the same parameters
-    bitwise (:class:`adasum_lightning.step.BackwardAdasumStep`), where the result cannot differ (a
-    per-parameter optimizer, automatic optimization, no clipping, no fp16 scaler, no hook between backward
-    and the step); otherwise that optimizer takes the whole step and rank 0 logs why, once per fit.
+    Every rank runs Lightning's local step, then sets ``θ = θ_before + Adasum(deltas)``
+    (:func:`adasum_lightning.step.adasum_step`); each rank keeps its own optimizer state.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
-            ``DDPStrategy``; Lightning fills them from the ``Trainer`` arguments.
-        process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (GPU default).
-        timeout: how long a collective may wait for the other ranks before this rank fails
-            (``torch.distributed``'s process-group timeout, default 30 minutes). A lost host is noticed after
-            at most this long; see docs/launching.md (several hosts).
-        start_method: how Lightning starts the processes when it launches them (``"popen"``, ``"spawn"``,
-            ``"fork"``, ``"forkserver"``), as for ``DDPStrategy``.
-        lr_scaling: ``"auto"`` (factor 1), ``"none"`` or a positive factor.
-        uneven_inputs: ``"truncate"`` or ``"error"`` (see :class:`._base.UpdateReducingDDPStrategy`).
-        overlap_backward: step and reduce bucket by bucket during the backward pass (see above).
-        bucket_cap_mb: ``overlap_backward``'s bucket size in MiB: a bucket is closed once it holds this much
-            or more (as DDP's ``bucket_cap_mb``).
-        sync_every: local optimizer steps between syncs (local SGD, DiLoCo: :mod:`adasum_lightning.local_sgd`;
-            1: every step). A window ends early where Lightning validates, saves a checkpoint or ends
-            ``fit``, so that the ranks are identical there.
+        overlap_backward: step and reduce bucket by bucket during backward where the result is the same
+            (:class:`~adasum_lightning.step.BackwardAdasumStep`); otherwise the whole step, logged once.
+        bucket_cap_mb: ``overlap_backward``'s bucket size in MiB (as DDP's).
+        sync_every: local optimizer steps between syncs (local SGD, :mod:`adasum_lightning.local_sgd`). A
+            window ends early where Lightning validates, saves a checkpoint or ends ``fit``.
         combine: ``"adasum"`` or ``"mean"``: how the ranks' pseudo-gradients are combined.
-        outer_optimizer: None (θ_sync + combined Δ), or a callable that builds the outer optimizer from an
-            optimizer's parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
-            nesterov=True)`` (DiLoCo's).
-        compression: None (off), ``"bf16"`` or ``"fp16"``: every piece the combination sends (the Adasum
-            allreduce, the mean) is rounded to that dtype; dot products, norms and the combination stay
-            float32/float64, the parameters and optimizer states float32 (docs/strategies.md, "Compression").
-        overlap_sync: with ``sync_every`` > 1, each window's exchange runs in a worker thread while the
-            next window computes, and is applied one window late (docs/local_sgd.md, "The sync behind
-            compute"); where a window ends early, the exchange in flight is finished first.
+        outer_optimizer: None, or a callable that builds the outer optimizer from an optimizer's parameters,
+            e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` (DiLoCo).
+        compression: None, ``"bf16"`` or ``"fp16"``: the dtype of every piece the combination sends.
+        overlap_sync: run each window's exchange behind the next window's steps, applied one window late.
+        **kwargs: :class:`~adasum_lightning.trainer._base.UpdateReducingDDPStrategy`'s (``DDPStrategy``'s,
+            ``lr_scaling``, ``uneven_inputs``).
 
     Raises:
-        ValueError: an invalid ``lr_scaling``, ``uneven_inputs``, ``overlap_backward`` or ``bucket_cap_mb``.
-        AdasumConfigurationError: ``sync_every`` < 1, an unknown ``combine`` or ``compression``,
-            ``overlap_backward`` with local SGD, ``overlap_sync`` with ``sync_every=1`` or
-            ``overlap_backward``; at the first step, an outer optimizer over other parameters.
+        AdasumConfigurationError: an invalid local-SGD setting or ``compression`` (ValueError: overlap's).
     """
 
     strategy_name = "ddp_adasum"
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: str = "popen",
-        lr_scaling: str | float = "auto",
-        uneven_inputs: str = "truncate",
         overlap_backward: bool = False,
         bucket_cap_mb: float = 25,
         sync_every: int = 1,
@@ -118,40 +78,32 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         outer_optimizer: Callable[[list[torch.Tensor]], Optimizer] | None = None,
         compression: str | None = None,
         overlap_sync: bool = False,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            lr_scaling=lr_scaling,
-            uneven_inputs=uneven_inputs,
-        )
-        check_overlap_backward(overlap_backward, bucket_cap_mb, self.strategy_name)
-        outer = outer_optimizer is not None
+        super().__init__(**kwargs)
         name = self.strategy_name
-        check_sync_every(sync_every, combine, name, overlap_backward, outer, overlap_sync)
-        check_outer_optimizer_form(self.strategy_name, outer_optimizer, builder=True)
+        check_overlap_backward(overlap_backward, bucket_cap_mb, name)
+        check_sync_every(
+            sync_every, combine, name, overlap_backward, outer_optimizer is not None, overlap_sync
+        )
+        check_outer_optimizer_form(name, outer_optimizer, builder=True)
         self.overlap_backward = overlap_backward
         self.bucket_cap_mb = bucket_cap_mb
         self.sync_every = int(sync_every)
         self.combine = combine
         self.outer_optimizer = outer_optimizer
         self.compression = compression
-        self.wire_dtype = check_wire_compression(compression, self.strategy_name)
+        self.wire_dtype = check_wire_compression(compression, name)
         self.overlap_sync = overlap_sync
-        # per optimizer (by id): its local-SGD windows; the checkpoint's states until they are built
-        self._periodic: dict[int, PeriodicSync] = {}
+        self._periodic: dict[int, PeriodicSync] = {}  # per optimizer (by id): its local-SGD windows
         self._restored_periodic: list[dict[str, Any]] | None = None
         self._overlap_group: dist.ProcessGroup | None = None
-        # per optimizer (by id): its bucketed step, or None (the whole step)
-        self._backward_steps: dict[int, BackwardAdasumStep | None] = {}
+        self._backward_steps: dict[int, BackwardAdasumStep | None] = {}  # None: the whole step
 
-    # ------------------------------------------------------------------------------------------ lifecycle
+    @property
+    def _every_step(self) -> bool:
+        return self.sync_every == 1 and self.combine == "adasum" and self.outer_optimizer is None
+
     @override
     def setup_environment(self) -> None:
         check_strategy_world_size(self, api="Trainer")
@@ -167,15 +119,13 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             trainer.callbacks.insert(0, _EndWindows(self))  # first: before the others' end-of-fit hooks
         if (self.overlap_backward or self.overlap_sync) and self.world_size > 1 and fitting:
             # the worker thread's own process group (a collective: every rank builds it here)
-            self._overlap_group = dist.new_group(
-                backend=dist.get_backend(), timeout=_compat.process_group_timeout(self)
-            )
+            self._overlap_group = dist.new_group(backend=dist.get_backend(), timeout=self._timeout)
 
     @override
     def _describe_reduction(self) -> str:
         overlap = ", bucket by bucket during backward" if self.overlap_backward else ""
         wire = f", sent as {self.compression}" if self.compression else ""
-        if self.sync_every > 1 or self.combine != "adasum" or self.outer_optimizer is not None:
+        if not self._every_step:
             outer = "an outer optimizer" if self.outer_optimizer is not None else "no outer optimizer"
             behind = ", exchanged behind the next window's steps" if self.overlap_sync else ""
             return (
@@ -184,10 +134,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             )
         return f"Adasum of parameter deltas over {self.process_group_backend}{wire}{overlap}"
 
-    # ------------------------------------------------------------------------------------------ step
     @override
-    def _reduced_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any, kwargs: dict[str, Any]
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         """Lightning's local step, then the Adasum of the parameter deltas over all ranks (see the class)."""
         overlap = self.overlap_backward and self._overlap_group is not None
@@ -196,43 +145,42 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             # the closure's backward steps and reduces the buckets (the optimizer's own step is not called)
             backward_step.armed = True
             try:
-                output = _compat.run_closure(
-                    self.precision_plugin, model or self.lightning_module, optimizer, closure
-                )
+                model = model or self.lightning_module
+                output = self.precision_plugin._wrap_closure(model, optimizer, closure)  # no step
             finally:
                 backward_step.armed = False
             backward_step.finish()
-            return output
-        local_step = functools.partial(self._local_step, optimizer, closure, model, kwargs)
-        return self._periodic_sync(optimizer).step(local_step)
+        else:
+            local_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+            timeout = self._timeout
+            if self._every_step:
+                params = optimizer_parameters(optimizer)
+                output = adasum_step(params, local_step, None, timeout, self.wire_dtype)
+            else:
+                output = self._periodic_sync(optimizer, timeout).step(local_step)
+        self._deliver_pending_sigterm()
+        return output
 
-    def _periodic_sync(self, optimizer: Optimizer) -> PeriodicSync:
+    def _periodic_sync(self, optimizer: Optimizer, timeout: Any) -> PeriodicSync:
         """``optimizer``'s windows, built at its first step (after the broadcast and a checkpoint restore)."""
-        built = self._periodic.get(id(optimizer))
-        if built is not None:
-            return built
-        index = [o for o in self.optimizers].index(optimizer)
-        restored = self._restored_periodic or []
-        state = restored[index] if index < len(restored) else None
-        timeout = _compat.process_group_timeout(self)
-        built = periodic_sync(self, optimizer, state, timeout, self._overlap_group)
-        self._periodic[id(optimizer)] = built
-        return built
+        if id(optimizer) not in self._periodic:
+            index = list(self.optimizers).index(optimizer)
+            restored = self._restored_periodic or []
+            state = restored[index] if index < len(restored) else None
+            built = periodic_sync(self, optimizer, state, timeout, self._overlap_group)
+            self._periodic[id(optimizer)] = built
+        return self._periodic[id(optimizer)]
 
     def end_windows(self) -> None:
-        """Sync every optimizer's parameters now (a collective; with ``overlap_sync`` the exchange in flight
-        first): Lightning evaluates or saves them next."""
+        """Sync every optimizer's parameters now (a collective): Lightning evaluates or saves them next."""
         for periodic in self._periodic.values():
             periodic.sync()
 
     def _backward_step(self, optimizer: Optimizer) -> BackwardAdasumStep | None:
-        """``optimizer``'s bucketed step (built at its first step, again when its trainable parameters
-        change), or None when it must take the whole step (the reason logged once)."""
+        """``optimizer``'s bucketed step (rebuilt when its parameters change), or None: the whole step."""
         key = id(optimizer)
-        if key in self._backward_steps and self._backward_steps[key] is None:
-            return None
         built = self._backward_steps.get(key)
-        if built is not None and built.is_current():
+        if key in self._backward_steps and (built is None or built.is_current()):
             return built
         if built is not None:
             built.close()
@@ -247,7 +195,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             return None
         assert self._overlap_group is not None
         bucket_bytes = int(self.bucket_cap_mb * 2**20)
-        timeout = _compat.process_group_timeout(self)
+        timeout = self._timeout
         step = BackwardAdasumStep(optimizer, self._overlap_group, bucket_bytes, timeout, self.wire_dtype)
         step.armed = False  # only the backward inside optimizer_step steps (not an accumulation window's)
         self._backward_steps[key] = step
@@ -289,7 +237,6 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             before_step_hooks=hooks,
         )
 
-    # ------------------------------------------------------------------------------------------ windows
     @override
     def on_validation_start(self) -> None:
         self.end_windows()
@@ -304,7 +251,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """The checkpoint also records each optimizer's window position and outer optimizer state."""
+        """The checkpoint also records each optimizer's window state."""
         if self._periodic and "optimizer_states" in checkpoint:
             windows = [self._periodic.get(id(o)) for o in self.optimizers]
             checkpoint = {**checkpoint, ckpt.PERIODIC_SYNC_STATES: ckpt.window_states(windows)}
@@ -316,13 +263,11 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         close_windows(self._periodic)
         super().load_optimizer_state_dict(checkpoint)
 
-    # ------------------------------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
         release_workspace()  # the reduction's buffers, kept between steps
-        for built in self._backward_steps.values():
-            if built is not None:
-                built.close()
+        for built in filter(None, self._backward_steps.values()):
+            built.close()
         self._backward_steps.clear()
         close_windows(self._periodic)  # after a fit, on_train_end has synced them
         if self._overlap_group is not None:
@@ -332,9 +277,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
 
 
 class _EndWindows(Callback):
-    """Ends the strategy's windows where ``fit`` hands the model out at its end, before the other callbacks
-    and the module see it: ``on_train_end`` (Lightning calls the strategy's own after theirs) and the last
-    epoch's ``on_train_epoch_end``. Earlier epochs' windows run on across the epoch's end."""
+    """Ends the strategy's windows before the other callbacks see the model at the end of ``fit``."""
 
     def __init__(self, strategy: DDPAdasumStrategy) -> None:
         self.strategy = strategy

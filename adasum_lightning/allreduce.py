@@ -64,8 +64,8 @@ def adasum_allreduce(
     """
     out = tensors if isinstance(tensors, list) else list(tensors)
     for i, t in enumerate(out):
-        _check_tensor(t, i)
-    comm = _communicator(group, timeout) if out else None
+        check_tensor(t, i)
+    comm = communicator(group, timeout) if out else None
     if comm is None:
         return out
     with torch.no_grad():
@@ -96,13 +96,13 @@ def adasum_allreduce_flat(
         TypeError: ``flat`` is not a tensor of a supported dtype.
         ValueError: ``flat`` is not contiguous and 1-D, or ``counts`` does not add up to its length.
     """
-    _check_tensor(flat, 0)
+    check_tensor(flat, 0)
     if flat.dim() != 1 or not flat.is_contiguous():
         shape = tuple(flat.shape)
         raise ValueError(f"adasum_allreduce_flat needs a contiguous 1-D tensor, got shape {shape}")
     if sum(counts) != flat.numel():
         raise ValueError(f"counts add up to {sum(counts)}, but the buffer holds {flat.numel()} elements")
-    comm = _communicator(group, timeout) if flat.numel() else None
+    comm = communicator(group, timeout) if flat.numel() else None
     if comm is not None and wire_dtype not in (None, flat.dtype):
         wire = workspace(flat.numel(), wire_dtype, flat.device, "wire").copy_(flat)
 
@@ -156,7 +156,7 @@ def release_workspace() -> None:
 _workspace = threading.local()
 
 
-def _check_tensor(t: object, i: int) -> None:
+def check_tensor(t: object, i: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"adasum_allreduce needs tensors, element {i} is a {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
@@ -174,12 +174,14 @@ def buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.de
     return out
 
 
-def _communicator(group: dist.ProcessGroup | None, timeout: timedelta | None) -> _Comm | None:
+def communicator(group: dist.ProcessGroup | None, timeout: timedelta | None) -> Communicator | None:
     """The exchanges' context for this rank of ``group``; None for a non-member or a group of one."""
     rank = dist.get_rank(group)
     if rank < 0 or dist.get_world_size(group) == 1:
         return None
-    return _Comm(group if group is not None else dist.group.WORLD, rank, dist.get_world_size(group), timeout)
+    return Communicator(
+        group if group is not None else dist.group.WORLD, rank, dist.get_world_size(group), timeout
+    )
 
 
 def workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str = "recv") -> torch.Tensor:
@@ -190,6 +192,12 @@ def workspace(numel: int, dtype: torch.dtype, device: torch.device, slot: str = 
         buf = torch.empty(numel, dtype=dtype, device=device)
         setattr(_workspace, key, buf)
     return buf[:numel]
+
+
+def workspace_bytes(slots: Sequence[str]) -> int:
+    """The bytes of this thread's kept buffers of ``slots`` (:func:`workspace`), every dtype and device."""
+    kept = _workspace.__dict__.items()
+    return sum(buf.numel() * buf.element_size() for key, buf in kept if key.split("|")[0] in slots)
 
 
 def _gloo_wait_timeout(group: dist.ProcessGroup, timeout: timedelta | None) -> timedelta | None:
@@ -207,7 +215,7 @@ def _listed(tensors: Tensors) -> Sequence[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else tensors or ()
 
 
-class _Comm:
+class Communicator:
     """Point-to-point exchanges inside one process group, by group rank."""
 
     def __init__(
@@ -259,9 +267,9 @@ class _Comm:
 
 
 class _Exchange:
-    """The messages of one :meth:`_Comm.start`, waited for once each."""
+    """The messages of one :meth:`Communicator.start`, waited for once each."""
 
-    def __init__(self, comm: _Comm, sends: list, recvs: list, ends: list[int]) -> None:
+    def __init__(self, comm: Communicator, sends: list, recvs: list, ends: list[int]) -> None:
         self.comm, self.sends, self.recvs = comm, sends, recvs
         self.ends = ends  # elements of the receive buffer complete once recvs[i] is done
         self.received = 0  # recvs waited for
@@ -280,7 +288,9 @@ class _Exchange:
         self.sends = []
 
 
-def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm, wire_dtype: torch.dtype | None = None) -> None:
+def _reduce_bucket(
+    bucket: list[torch.Tensor], comm: Communicator, wire_dtype: torch.dtype | None = None
+) -> None:
     counts = [t.numel() for t in bucket]
     first, dtype = bucket[0], wire_dtype or bucket[0].dtype
     if sum(counts) == 0:
@@ -296,7 +306,10 @@ def _reduce_bucket(bucket: list[torch.Tensor], comm: _Comm, wire_dtype: torch.dt
 
 
 def _reduce_flat(
-    flat: torch.Tensor, counts: list[int], comm: _Comm, on_final: Callable[[int, int], None] | None = None
+    flat: torch.Tensor,
+    counts: list[int],
+    comm: Communicator,
+    on_final: Callable[[int, int], None] | None = None,
 ) -> None:
     """Adasum allreduce of ``flat`` (tensors of ``counts`` elements), in place; ``on_final`` as for
     :func:`adasum_allreduce_flat`."""
@@ -329,7 +342,9 @@ def _reduce_flat(
         comm.exchange(rank + p, flat, None)
 
 
-def _binomial_tree(flat: torch.Tensor, recv: torch.Tensor, offsets: list[int], comm: _Comm, p: int) -> None:
+def _binomial_tree(
+    flat: torch.Tensor, recv: torch.Tensor, offsets: list[int], comm: Communicator, p: int
+) -> None:
     """Reduce whole buckets up a binomial tree to rank 0 (pairs as in Horovod's order), broadcast back."""
     rank = comm.rank
     d = 1
@@ -352,17 +367,17 @@ def _binomial_tree(flat: torch.Tensor, recv: torch.Tensor, offsets: list[int], c
 def _local_pair(low: torch.Tensor, high: torch.Tensor, offsets: list[int]) -> None:
     """``low := adasum(low, high)`` per tensor (boundaries ``offsets``), on whole tensors, in this rank."""
     counts = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
-    plan = _plan(counts, CPU_CHUNK if low.device.type == "cpu" else DEVICE_CHUNK)
+    plan = plan_chunks(counts, CPU_CHUNK if low.device.type == "cpu" else DEVICE_CHUNK)
     pieces = _flat_pieces(plan)
-    grams = _local_grams([low], [high], plan, pieces, len(counts))
-    _scaled_add([low], [high], [low], plan, pieces, _coefficients(grams[:, [1, 0, 3]], left=True))
+    grams = local_grams([low], [high], plan, pieces, len(counts))
+    scaled_add([low], [high], [low], plan, pieces, coefficients(grams[:, [1, 0, 3]], left=True))
 
 
 def _halving_doubling(
     flat: torch.Tensor,
     recv: torch.Tensor,
     offsets: list[int],
-    comm: _Comm,
+    comm: Communicator,
     p: int,
     on_final: Callable[[int, int], None] | None = None,
 ) -> None:
@@ -387,18 +402,18 @@ def _halving_doubling(
         b = recv[:keep_n]  # the neighbour's data for the same elements
         # The products of each chunk are taken as soon as its part of ``b`` has arrived.
         incoming = comm.start(peer, flat[give_lo : give_lo + give_n], b)
-        plan = _plan(_segment_counts(offsets, keep_lo, keep_n), chunk)
+        plan = plan_chunks(_segment_counts(offsets, keep_lo, keep_n), chunk)
         pieces = _flat_pieces(plan)
-        grams = _local_grams([a], [b], plan, pieces, num, ready=incoming.wait_received)
+        grams = local_grams([a], [b], plan, pieces, num, ready=incoming.wait_received)
         incoming.wait()
         # Horovod's layout: [dot, ‖lower half's data‖², ‖upper half's data‖²], summed over the 2·d ranks.
         stats = comm.group_sum(grams[:, [1, 0, 3] if left else [1, 3, 0]].contiguous(), 2 * d)
         d <<= 1
         if d < p:
-            _scaled_add([a], [b], [a], plan, pieces, _coefficients(stats, left))
+            scaled_add([a], [b], [a], plan, pieces, coefficients(stats, left))
         else:  # the last level: each combined piece of ``a`` leaves for the first swap back at once
             back = _Outgoing(comm, rank ^ (d >> 1), flat, (keep_lo, keep_n), (give_lo, give_n), on_final)
-            _scaled_add([a], [b], [a], plan, pieces, _coefficients(stats, left), done=back.written)
+            scaled_add([a], [b], [a], plan, pieces, coefficients(stats, left), done=back.written)
             back.wait()
         lo, n = keep_lo, keep_n
     # Distance halving: swap the reduced segments back (the last level's swap is done above).
@@ -415,7 +430,7 @@ class _Outgoing:
 
     def __init__(
         self,
-        comm: _Comm,
+        comm: Communicator,
         peer: int,
         flat: torch.Tensor,
         send: tuple[int, int],
@@ -461,7 +476,7 @@ def _segment_counts(offsets: list[int], lo: int, n: int) -> list[int]:
     return [max(0, min(hi, offsets[i + 1]) - max(lo, offsets[i])) for i in range(len(offsets) - 1)]
 
 
-def _plan(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list[int]]]:
+def plan_chunks(counts: list[int], chunk: int) -> list[tuple[int, int, list[int], list[int]]]:
     """Work chunks ``(start, stop, tensor_ids, lengths)`` over tensors of ``counts`` elements: a part of one
     large tensor, or a run of small ones of at most ``min(chunk, 2**18)`` elements."""
     chunks: list[tuple[int, int, list[int], list[int]]] = []
@@ -510,7 +525,7 @@ def _fill_rows(
         m[1, o : o + n].copy_(b[i][at : at + n])
 
 
-def _local_grams(
+def local_grams(
     a: list[torch.Tensor],
     b: list[torch.Tensor],
     plan: list,
@@ -547,7 +562,7 @@ def _local_grams(
     return torch.segment_reduce(grams, "sum", lengths=torch.tensor(rows_per_tensor, device=device), axis=0)
 
 
-def _coefficients(stats: torch.Tensor, left: bool) -> torch.Tensor:
+def coefficients(stats: torch.Tensor, left: bool) -> torch.Tensor:
     """Horovod's coefficients from summed ``[dot, ‖low‖², ‖up‖²]`` rows: ``(num, 2)`` (own, received)."""
     dot, low_sq, up_sq = stats.unbind(1)
     one = torch.ones((), dtype=torch.float64, device=stats.device)
@@ -557,7 +572,7 @@ def _coefficients(stats: torch.Tensor, left: bool) -> torch.Tensor:
     return torch.stack([c_low, c_up] if left else [c_up, c_low], dim=1)
 
 
-def _scaled_add(
+def scaled_add(
     a: list[torch.Tensor],
     b: list[torch.Tensor],
     out: list[torch.Tensor],

@@ -179,20 +179,13 @@ def save_file(obj: Any, path: Any) -> None:
 
 
 def read_checkpoint(load: Callable[[], Any], path: Any, rank: int) -> dict[str, Any]:
-    """``load()`` of the Lightning checkpoint ``path`` on rank ``rank``, its failures worded with the fix.
-
-    Raises:
-        FileNotFoundError: the file does not exist on this rank.
-        RuntimeError: the file is truncated, corrupt or not a Lightning checkpoint.
+    """``load()`` of the Lightning checkpoint ``path`` on rank ``rank``; a file that is truncated, corrupt or
+    not a Lightning checkpoint raises RuntimeError with the fix (a missing one Lightning's FileNotFoundError).
     """
     try:
         checkpoint = load()
-    except FileNotFoundError as err:
-        raise FileNotFoundError(
-            f"checkpoint {path} does not exist on rank {rank}. Pass the path of a checkpoint that every rank "
-            "can read (Lightning writes them under <default_root_dir>/.../checkpoints/), or ckpt_path=None "
-            "to start from scratch."
-        ) from err
+    except FileNotFoundError:
+        raise
     except READ_ERRORS as err:
         raise unreadable_checkpoint(path, err, rank) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -210,9 +203,7 @@ def _load_file(path: Any) -> Any:
 def refuse_on_every_rank(problem: str | None) -> None:
     """Raise every rank's problem on every rank (a collective over the default group when it has several
     ranks: every rank calls this, with None where it found nothing).
-
-    Raises:
-        IncompleteCheckpointError: the problems of all ranks, in rank order.
+    Raises IncompleteCheckpointError: the problems of all ranks, in rank order.
     """
     problems = [problem]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -364,9 +355,7 @@ def convert_state(
 
 def check_strict_keys(missing: Sequence[str], strict: bool) -> None:
     """``fabric.load``'s strict loading: ``missing`` are the requested keys the checkpoint lacks.
-
-    Raises:
-        KeyError: with ``strict``, naming the first (Fabric's message).
+    Raises KeyError: with ``strict``, naming the first (Fabric's message).
     """
     if strict and missing:
         raise KeyError(
@@ -384,9 +373,7 @@ def restore_state(
 ) -> dict[str, Any]:
     """``fabric.load``'s restore of ``state`` from ``checkpoint`` (modules and optimizers through the given
     functions); returns what ``state`` did not name.
-
-    Raises:
-        KeyError: with ``strict``, a key of ``state`` that the checkpoint lacks (Fabric's message).
+    Raises KeyError: with ``strict``, a key of ``state`` that the checkpoint lacks (Fabric's message).
     """
     check_strict_keys([k for k in state if k not in checkpoint], strict)
     for key, obj in list(state.items()):
@@ -482,9 +469,7 @@ def _sharded_problem(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
 def read_sharded_meta(folder: Any) -> dict[str, Any]:
     """A sharded folder's ``meta.pt`` once its files are checked: ``meta.pt`` readable, every file that
     ``torch.distributed.checkpoint``'s metadata names present, and the same save as the shards. A collective.
-
-    Raises:
-        IncompleteCheckpointError: on every rank, naming the file, the rank that wrote it and the fix.
+    Raises IncompleteCheckpointError: on every rank, naming the file, the rank that wrote it and the fix.
     """
     folder = Path(os.path.realpath(folder))
     meta, problem = _sharded_problem(folder)
@@ -573,9 +558,7 @@ def load_sharded_optimizer_state(
     """Restore ``optimizer`` from a sharded checkpoint's entries ``<key>.…``
     (:func:`sharded_optimizer_entries` of the replica group this rank takes its state from), resharded to this
     rank's parameters' shards, with the saved ``param_groups``. A collective over the default group.
-
-    Raises:
-        KeyError: a parameter of the layout that ``optimizer`` does not hold (a checkpoint of another model).
+    Raises KeyError: a parameter of the layout that ``optimizer`` lacks (a checkpoint of another model).
     """
     by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
     index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
@@ -620,9 +603,7 @@ def check_resume_mesh(
 ) -> None:
     """A checkpoint of sharded optimizer states (every rank's own shard of its replica group's state) resumes
     on the mesh it was saved on: ``saved`` and ``current`` are ``(replica groups, shard_size)``.
-
-    Raises:
-        AdasumConfigurationError: naming both meshes and the settings that match.
+    Raises AdasumConfigurationError: naming both meshes and the settings that match.
     """
     if tuple(saved) != tuple(current):
         groups, shard = saved
@@ -637,9 +618,7 @@ def check_resume_mesh(
 def check_sharded_save_filter(has_filter: bool, strategy_name: str = "fsdp_adasum") -> None:
     """``fabric.save(..., filter=...)`` with ``state_dict_type="sharded"``: a folder of shards is written
     whole (a filtered one could not be resumed on another mesh).
-
-    Raises:
-        AdasumConfigurationError: naming the two ways that work.
+    Raises AdasumConfigurationError: naming the two ways that work.
     """
     if has_filter:
         raise AdasumConfigurationError(

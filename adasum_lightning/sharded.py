@@ -25,15 +25,15 @@ from adasum_lightning import allreduce
 from adasum_lightning.allreduce import (
     CPU_CHUNK,
     DEVICE_CHUNK,
+    Communicator,
     Pieces,
-    _check_tensor,
-    _coefficients,
-    _Comm,
-    _communicator,
-    _local_grams,
-    _plan,
-    _scaled_add,
     buckets,
+    check_tensor,
+    coefficients,
+    communicator,
+    local_grams,
+    plan_chunks,
+    scaled_add,
     workspace,
 )
 from adasum_lightning.errors import AdasumConfigurationError
@@ -266,7 +266,7 @@ def sharded_adasum_step(
     params = [p for p in params if p.numel()]  # the whole tensor's size: the same on every rank
     shards = local_shards(params, shard_group)
     for i, t in enumerate(shards):
-        _check_tensor(t, i)
+        check_tensor(t, i)
     befores = {}
     with torch.no_grad():
         for key, bucket in buckets(shards).items():
@@ -277,7 +277,7 @@ def sharded_adasum_step(
     with torch.no_grad():
         shards = local_shards(params, shard_group)  # the same views, looked up again after the step
         receive = _gradient_buffers(params, shards)
-        comm = _communicator(replicate_group, timeout)
+        comm = communicator(replicate_group, timeout)
         by_key: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, t in enumerate(shards):
             by_key.setdefault((t.dtype, t.device), []).append(i)
@@ -295,10 +295,7 @@ _STEP_SLOTS: tuple[str, ...] = ("sharded-before", "sharded-scratch")
 
 def _step_buffer_bytes() -> int:
     """The bytes of this thread's :data:`_STEP_SLOTS` buffers, every dtype and device."""
-    kept = allreduce._workspace.__dict__
-    return sum(
-        buf.numel() * buf.element_size() for key, buf in kept.items() if key.split("|")[0] in _STEP_SLOTS
-    )
+    return allreduce.workspace_bytes(_STEP_SLOTS)
 
 
 def _gradient_buffers(
@@ -330,7 +327,7 @@ def _step_bucket(
     shards: list[torch.Tensor],
     grads: list[torch.Tensor | None],
     before: torch.Tensor,
-    comm: _Comm,
+    comm: Communicator,
     shard_group: dist.ProcessGroup,
     wire_dtype: torch.dtype | None = None,
 ) -> None:
@@ -381,7 +378,7 @@ def _reduce_lists(
     own: list[torch.Tensor],
     recv: list[torch.Tensor],
     counts: list[int],
-    comm: _Comm,
+    comm: Communicator,
     shard_group: dist.ProcessGroup,
 ) -> None:
     """Adasum over the replica groups (``comm``) of the 1-D deltas ``own``, in place (``recv``: theirs)."""
@@ -391,7 +388,7 @@ def _reduce_lists(
         comm.exchange(q - p, own, None)
         comm.exchange(q - p, None, own)
         return
-    plan = _plan(counts, CPU_CHUNK if own[0].device.type == "cpu" else DEVICE_CHUNK)
+    plan = plan_chunks(counts, CPU_CHUNK if own[0].device.type == "cpu" else DEVICE_CHUNK)
     pieces = _plan_pieces(plan, counts)
     if q + p < size:
         comm.exchange(q + p, None, recv)
@@ -429,8 +426,8 @@ def _combine_lists(
     """``own := adasum(low, up)`` per whole tensor, ``low`` the lower replica index's shards; the statistics
     ``[low·up, ‖low‖², ‖up‖²]`` summed over ``shard_group``, the same operations on both partners."""
     low, up = (own, theirs) if own_is_low else (theirs, own)
-    grams = _local_grams(low, up, plan, pieces, len(own))
+    grams = local_grams(low, up, plan, pieces, len(own))
     stats = grams[:, [1, 0, 3]].contiguous()
     if world_size(shard_group) > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard_group)
-    _scaled_add(low, up, own, plan, pieces, _coefficients(stats, left=True))
+    scaled_add(low, up, own, plan, pieces, coefficients(stats, left=True))

@@ -265,7 +265,7 @@ def test_flat_buffer_of_one_rank_is_final_at_once(single_process_group):
 
 def test_gloo_sends_one_dimensional_buffers_in_pieces(single_process_group, monkeypatch):
     monkeypatch.setattr(ar, "GLOO_PIECE_BYTES", 1024)
-    comm = ar._Comm(dist.group.WORLD, 0, 1)
+    comm = ar.Communicator(dist.group.WORLD, 0, 1)
     flat = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: 256-element pieces, in order
     pieces = comm._pieces(flat)
     assert [p.numel() for p in pieces] == [256, 256, 256, 232]
@@ -319,7 +319,7 @@ def test_plan_covers_the_segment_in_order(monkeypatch):
         ]
         chunk, small = 1000, 300
         monkeypatch.setattr(ar, "SMALL_TENSOR", small)
-        plan = ar._plan(counts, chunk)
+        plan = ar.plan_chunks(counts, chunk)
         position = 0
         seen: dict[int, int] = {}
         for start, stop, ids, lengths in plan:

@@ -84,11 +84,11 @@ def breakdown(source: torch.Tensor, rounds: int) -> dict:
 
         return wrapper
 
-    orig = (ar._Comm.exchange, ar._Comm.group_sum, ar._local_grams, ar._scaled_add)
-    ar._Comm.exchange = timed(orig[0], "exchange")
-    ar._Comm.group_sum = small(orig[1])
-    ar._local_grams = timed(orig[2], "dots_float64")
-    ar._scaled_add = timed(orig[3], "combine_float64")
+    orig = (ar.Communicator.exchange, ar.Communicator.group_sum, ar.local_grams, ar.scaled_add)
+    ar.Communicator.exchange = timed(orig[0], "exchange")
+    ar.Communicator.group_sum = small(orig[1])
+    ar.local_grams = timed(orig[2], "dots_float64")
+    ar.scaled_add = timed(orig[3], "combine_float64")
     samples = []
     try:
         tensor = source.clone()
@@ -101,7 +101,7 @@ def breakdown(source: torch.Tensor, rounds: int) -> dict:
             total = time.perf_counter() - start
             samples.append({"total": total, **acc, "other": total - sum(acc.values())})
     finally:
-        ar._Comm.exchange, ar._Comm.group_sum, ar._local_grams, ar._scaled_add = orig
+        ar.Communicator.exchange, ar.Communicator.group_sum, ar.local_grams, ar.scaled_add = orig
     return {k: statistics.median(s[k] for s in samples) for k in (*parts, "other", "total")}
 
 

@@ -1,4 +1,5 @@
-"""Worker: rank 0 copies a checkpoint with its companion files into OUT and damages the copy.
+"""Worker: rank 0 copies a checkpoint with its companion files into OUT and damages the copy; the other
+ranks wait for it.
 
 usage: python -m tests.workers.damage_checkpoint OUT SOURCE MODE [ARG] [--devices N]
 (--devices is unused: Lightning's launch passes it)
@@ -21,6 +22,8 @@ one ``*.ckpt``; the copy keeps its name, beside its ``.rank<r>-optimizer.pt`` fi
 import os
 import shutil
 from pathlib import Path
+
+import torch.distributed as dist
 
 from adasum_lightning.checkpoint import PENDING, rank_optimizer_path
 from tests.workers import cases
@@ -65,3 +68,7 @@ if cases.rank() == 0:
         (copy / "__1_0.distcp").unlink()
     else:
         raise ValueError(f"unknown mode {mode!r}")
+# The other ranks go on to the next case (a resume from this copy) only once the copy is complete. Where no
+# fit of the launch has run yet there is no default group, and Lightning's launcher has not started them.
+if dist.is_initialized():
+    dist.barrier()

@@ -518,9 +518,11 @@ def to_target(cfg: dict, out_dir: Path, data: str, speed: dict[str, float]) -> d
     then: not faster). ``best``: the ``ddp_adasum`` run that reached the target soonest."""
     tcfg = cfg["target"]
     s10 = [v for v in speed if v.startswith("adasum_s10") and v in THROUGHPUT]
-    fastest = [max(group, key=speed.get) for overlap in (True, False) if (group := [
-        v for v in s10 if VARIANTS[v][1].get("overlap_sync", False) == overlap])]  # fmt: skip
-    variants = ["ddp", "post_local_sgd_10", *(f"{w}_{c}" for w in fastest for c in tcfg["combinations"])]
+    fastest: dict[bool, str] = {}  # by overlap_sync
+    for v in sorted(s10, key=speed.get, reverse=True):
+        fastest.setdefault(VARIANTS[v][1].get("overlap_sync", False), v)
+    combinations = tcfg["combinations"]
+    variants = ["ddp", "post_local_sgd_10", *(f"{w}_{c}" for w in fastest.values() for c in combinations)]
     runs, cap = [], tcfg["max_train_s"]
     for variant in tqdm(variants, desc="slow_link to target", unit="run"):
         out = out_dir / "runs" / "slow_link_target"

@@ -1044,8 +1044,10 @@ def _slow_link_section(result: dict, png: Path) -> list[str]:
         "fitting every variant once in the same processes, the order rotated each round; steps/s of "
         "rank 0 over the timed steps (warm-up and timed steps by the variant's period: "
         + ", ".join(f"H = {h}: {a} + {b}" for h, (a, b) in result["config"]["steps"].items())
-        + "; whole windows, so the timed steps hold timed / H exchanges). Fraction of the ceiling and "
-        "ratios: within each round, median [min, max] of the rounds.",
+        + "; whole windows, so the timed steps hold timed / H exchanges; two warm-up windows at H = 10 and "
+        "50, because with `overlap_sync` the first exchange, which pays the first-use costs, lands at the "
+        "end of the second). Fraction of the ceiling and ratios: within each round, median [min, max] of "
+        "the rounds.",
         "",
     ]
     if result.get("unavailable"):

@@ -105,19 +105,20 @@ def _fit(strategy: str, **trainer_kwargs) -> str:
     pl.seed_everything(0)
     model = _module(batchnorm=trainer_kwargs.pop("batchnorm", False))
     start = [p.detach().clone() for p in model.parameters()]
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu" if SELFTEST_CPU else "gpu",
-        devices=1,
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tempfile.mkdtemp(prefix="adasum-gpu-check-"),
-        **trainer_kwargs,
-    )
-    trainer.fit(model)
+    with tempfile.TemporaryDirectory(prefix="adasum-gpu-check-") as root:
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu" if SELFTEST_CPU else "gpu",
+            devices=1,
+            max_steps=8,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            **trainer_kwargs,
+        )
+        trainer.fit(model)
     device = next(model.parameters()).device
     assert device.type == DEVICE, f"the model ended on {device}"
     assert len(model.losses) == 8 and all(torch.isfinite(torch.tensor(model.losses))), model.losses

@@ -11,7 +11,6 @@ from tests.helpers import mpi_env, quick_fit
 from tests.workers.lightning import (
     PACKAGE,
     HorovodAdasumStrategy,
-    HorovodEnvironment,
     HorovodStrategy,
     pl,
     strategies,
@@ -49,24 +48,24 @@ def test_compression_rejects_unknown():
         HorovodStrategy(compression="int8")
 
 
-def test_environment_reads_the_launcher_before_init(monkeypatch):
-    for name in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "5")
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
-    env = HorovodEnvironment()
-    if env_initialised():
-        pytest.skip("Horovod already initialised in this process; the launcher values are not read")
-    assert (env.global_rank(), env.world_size(), env.local_rank(), env.node_rank()) == (5, 8, 1, 1)
-    assert HorovodEnvironment.detect() and env.creates_processes_externally
-
-
-def env_initialised() -> bool:
-    import horovod.torch as hvd
-
-    return hvd.is_initialized()
+def test_environment_reads_the_launcher_before_init():
+    # A fresh interpreter, so that no test before this one has initialised Horovod in it.
+    code = (
+        "from tests.workers.lightning import HorovodEnvironment as E\n"
+        "e = E()\n"
+        "print(e.global_rank(), e.world_size(), e.local_rank(), e.node_rank(), E.detect(),"
+        " e.creates_processes_externally)\n"
+    )
+    env = {k: v for k, v in mpi_env().items() if not k.startswith("HOROVOD_")}
+    env.update(
+        OMPI_COMM_WORLD_RANK="5",
+        OMPI_COMM_WORLD_SIZE="8",
+        OMPI_COMM_WORLD_LOCAL_RANK="1",
+        OMPI_COMM_WORLD_LOCAL_SIZE="4",
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["5", "8", "1", "1", "True", "True"]
 
 
 def test_only_rank_zero_writes_checkpoints(tmp_path):

@@ -102,10 +102,12 @@ FULL = {
     # Rig, link rate, variants (benchmarks/slow_link.py) and interleaved rounds per block; warm-up and timed
     # steps by the variant's period (whole windows: the timed steps hold exactly timed / period exchanges).
     # Two warm-up windows: with overlap_sync the first exchange, which pays the first-use costs, lands at the
-    # end of the second, as the first exchange without overlap lands at the end of the first.
+    # end of the second, as the first exchange without overlap lands at the end of the first. Six timed
+    # windows at H = 10 and 7 rounds at 1 Gbit/s: the aim for the overlapped run is a threshold on a median
+    # that varies from job to job (docs/benchmarks.md).
     "slow_link": {
         "blocks": [
-            {"rig": "loopback", "rate": "1gbit", "variants": "all", "rounds": 5},
+            {"rig": "loopback", "rate": "1gbit", "variants": "all", "rounds": 7},
             {
                 "rig": "loopback",
                 "rate": "250mbit",
@@ -115,7 +117,7 @@ FULL = {
             },
             {"rig": "two_hosts", "rate": "1gbit", "variants": SLOW_LINK_HEADLINE, "rounds": 2},
         ],
-        "steps": {"1": [3, 10], "10": [20, 30], "50": [100, 50], "1000": [10, 40]},
+        "steps": {"1": [3, 10], "10": [20, 60], "50": [100, 50], "1000": [10, 60]},
         "timeout_s": 600,
         "target": {
             "rate": "1gbit",

@@ -33,7 +33,9 @@ from tests.helpers import (
     horovodrun_cmd,
     load_ranks,
     mpi_env,
+    plain_env,
     run_horovod,
+    run_job,
 )
 from tests.workers.lightning import adasum_strategies
 
@@ -212,6 +214,25 @@ def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_pa
     # tests/test_resume.py): rank 1's beside it
     assert torch.load(ckpt, weights_only=False)["adasum_rank_optimizer_states"]["world_size"] == 2
     assert torch.load(f"{ckpt}.rank1-optimizer.pt", weights_only=False)["rank"] == 1
+
+
+def test_sigterm_under_local_sgd_stops_every_rank_where_the_window_ends(tmp_path):
+    # SIGTERM to rank 0 in step 6 of windows of 4 steps: the ranks meet only where windows end (no broadcast
+    # at every batch), so every rank stops after step 8 with the synced parameters
+    if not adasum_strategies._compat.has_sigterm_agreement():
+        pytest.skip("this Lightning has no SIGTERM agreement between ranks (added after 2.4)")
+    worker = [sys.executable, "-m", "tests.workers.crossrank", str(tmp_path), "--case", "sigterm"]
+    args = ["--strategy", "ddp_adasum", "--devices", "2", "--sync-every", "4", "--sigterm-step", "5"]
+    proc = run_job([*worker, *args], plain_env(), timeout=120, check=False, merged=True)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    ranks = load_ranks(tmp_path, 2)
+    assert [res["global_step"] for res in ranks] == [8, 8], proc.stdout[-3000:]
+    assert [res["exception"] for res in ranks] == ["SIGTERMException"] * 2
+    for name, tensor in ranks[0]["at_exception"].items():
+        assert torch.equal(tensor, ranks[1]["at_exception"][name]), name
+        assert not torch.equal(tensor, ranks[0]["start"][name]), name
+    (ckpt,) = (tmp_path / "ckpt").glob("*.ckpt")
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 8
 
 
 # ---------------------------------------------------------------- 8: SIGTERM to the launcher

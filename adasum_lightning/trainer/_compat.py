@@ -22,6 +22,7 @@ __all__ = [
     "configure_schedulers",
     "sync_module_states",
     "has_sigterm_agreement",
+    "hold_sigterm_agreement",
     "mark_step_for_schedulers",
 ]
 
@@ -52,7 +53,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         _BOTH,
         ("def _wrap_closure", "self._after_closure(model, optimizer)"),
     ),
-    # Rank 0's SIGTERM broadcast at every training batch: all ranks stop at the same step.
+    # Rank 0's SIGTERM broadcast at every training batch: all ranks stop at the same step (local SGD holds
+    # it to the batches where the ranks meet: hold_sigterm_agreement).
     PrivateApi(
         "pytorch_lightning.loops.training_epoch_loop",
         "_TrainingEpochLoop",
@@ -79,6 +81,20 @@ def has_sigterm_agreement() -> bool:
     from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 
     return hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
+
+
+def hold_sigterm_agreement(trainer: Any, due: Callable[[], bool]) -> Callable[[], None]:
+    """Run Lightning's SIGTERM broadcast at the start of a training batch only where ``due()`` (the same on
+    every rank); returns the function that restores the broadcast at every batch."""
+    loop = trainer.fit_loop.epoch_loop
+    every_batch = loop._broadcast_sigterm_tensor
+
+    def where_due() -> None:
+        if due():
+            every_batch()
+
+    loop._broadcast_sigterm_tensor = where_due
+    return functools.partial(loop.__dict__.pop, "_broadcast_sigterm_tensor", None)
 
 
 def mark_step_for_schedulers(optimizer: Optimizer) -> None:

@@ -38,6 +38,7 @@ from adasum_lightning.step import (
     overlap_fallback_reason,
 )
 
+from . import _compat
 from ._base import UpdateReducingDDPStrategy
 
 __all__ = ["DDPAdasumStrategy"]
@@ -54,7 +55,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             (:class:`~adasum_lightning.step.BackwardAdasumStep`); otherwise the whole step, logged once.
         bucket_cap_mb: ``overlap_backward``'s bucket size in MiB (as DDP's).
         sync_every: local optimizer steps between syncs (local SGD, :mod:`adasum_lightning.local_sgd`). A
-            window ends early where Lightning validates, saves a checkpoint or ends ``fit``.
+            window ends early where Lightning validates, saves a checkpoint or ends ``fit``. The ranks meet
+            only where windows end, so Lightning's SIGTERM agreement runs there: a SIGTERM stops every rank
+            at the end of the window in progress.
         combine: ``"adasum"`` or ``"mean"``: how the ranks' pseudo-gradients are combined.
         outer_optimizer: None, or a callable that builds the outer optimizer from an optimizer's parameters,
             e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` (DiLoCo).
@@ -99,6 +102,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         self._restored_periodic: list[dict[str, Any]] | None = None
         self._overlap_group: dist.ProcessGroup | None = None
         self._backward_steps: dict[int, BackwardAdasumStep | None] = {}  # None: the whole step
+        self._window_ended = True  # the ranks met at the last optimizer step (or fit starts)
+        self._restore_sigterm_agreement: Callable[[], None] | None = None
 
     @property
     def _every_step(self) -> bool:
@@ -120,6 +125,19 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         if (self.overlap_backward or self.overlap_sync) and self.world_size > 1 and fitting:
             # the worker thread's own process group (a collective: every rank builds it here)
             self._overlap_group = dist.new_group(backend=dist.get_backend(), timeout=self._timeout)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if not self._every_step and self.world_size > 1 and _compat.has_sigterm_agreement():
+            self._window_ended = True
+            self._restore_sigterm_agreement = _compat.hold_sigterm_agreement(trainer, self._ranks_met)
+
+    def _ranks_met(self) -> bool:
+        """True once per window end: the batch after it starts with Lightning's SIGTERM agreement."""
+        ended, self._window_ended = self._window_ended, False
+        return ended
 
     @override
     def _describe_reduction(self) -> str:
@@ -157,7 +175,11 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
                 params = optimizer_parameters(optimizer)
                 output = adasum_step(params, local_step, None, timeout, self.wire_dtype)
             else:
-                output = self._periodic_sync(optimizer, timeout).step(local_step)
+                periodic = self._periodic_sync(optimizer, timeout)
+                output = periodic.step(local_step)
+                if periodic.steps:
+                    return output  # mid-window: a SIGTERM waits for the window end, where the ranks meet
+                self._window_ended = True
         self._deliver_pending_sigterm()
         return output
 
@@ -270,6 +292,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             built.close()
         self._backward_steps.clear()
         close_windows(self._periodic)  # after a fit, on_train_end has synced them
+        if self._restore_sigterm_agreement is not None:
+            self._restore_sigterm_agreement()
+            self._restore_sigterm_agreement = None
         if self._overlap_group is not None:
             dist.destroy_process_group(self._overlap_group)
             self._overlap_group = None

@@ -12,7 +12,8 @@ stops early). Cases:
   records the gradient that reaches ``w`` (a tensor hook: before any optimizer reduction).
 - ``metrics``: ``trainer.validate`` with torchmetrics list states of different sizes per rank.
 - ``lbfgs``: the tiny classifier trained with ``torch.optim.LBFGS``.
-- ``sigterm``: rank 0 sends itself SIGTERM at ``--sigterm-step``; ``OnExceptionCheckpoint`` saves.
+- ``sigterm``: rank 0 sends itself SIGTERM at ``--sigterm-step``; ``OnExceptionCheckpoint`` saves; with
+  ``--sync-every H``, ``ddp_adasum``'s local SGD (windows of H steps, ``combine="mean"``).
 - ``long``: the tiny classifier for many slow epochs, writing ``OUT_DIR/pid{r}`` and ``OUT_DIR/step{r}``.
 """
 
@@ -31,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.workers import cases
-from tests.workers.lightning import callbacks, pl
+from tests.workers.lightning import DDPAdasumStrategy, callbacks, pl
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -43,6 +44,7 @@ p.add_argument("--sync-batchnorm", action="store_true")
 p.add_argument("--convert-sync-bn", action="store_true")
 p.add_argument("--sigterm-step", type=int, default=3)
 p.add_argument("--steps", type=int, default=4)
+p.add_argument("--sync-every", type=int, default=1, help="> 1: ddp_adasum with windows of this many steps")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 
@@ -194,6 +196,7 @@ class SaveOnException(callbacks.Callback):
     def on_exception(self, trainer, pl_module, exception):
         pl_module.record["exception"] = type(exception).__name__
         pl_module.record["global_step"] = trainer.global_step
+        pl_module.record["at_exception"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         torch.save(pl_module.record, out / f"rank{trainer.global_rank}.pt")
 
 
@@ -203,8 +206,11 @@ if args.convert_sync_bn:
     model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 (out / f"pid{rank_of_process()}").write_text(str(os.getpid()))
 long = args.case in ("sigterm", "long")
+strategy = args.strategy
+if args.sync_every > 1:
+    strategy = DDPAdasumStrategy(sync_every=args.sync_every, combine="mean")
 trainer = pl.Trainer(
-    strategy=args.strategy,
+    strategy=strategy,
     accelerator="cpu",
     devices=args.devices,
     precision=args.precision,

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torchmetrics
 
+from adasum_lightning.checkpoint import PERIODIC_SYNC_STATES
 from adasum_lightning.horovod.support import (
     check_closure_optimizers,
     check_horovod_dtypes,
@@ -216,23 +217,30 @@ def test_sigterm_to_rank_zero_stops_every_rank_at_the_same_step(strategy, tmp_pa
     assert torch.load(f"{ckpt}.rank1-optimizer.pt", weights_only=False)["rank"] == 1
 
 
-def test_sigterm_under_local_sgd_stops_every_rank_where_the_window_ends(tmp_path):
-    # SIGTERM to rank 0 in step 6 of windows of 4 steps: the ranks meet only where windows end (no broadcast
-    # at every batch), so every rank stops after step 8 with the synced parameters
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap_sync"])
+def test_sigterm_under_local_sgd_stops_every_rank_where_a_window_ends(overlap, tmp_path):
+    # SIGTERM to rank 0 in step 6 of windows of 4 steps. The ranks meet only where windows end (no broadcast
+    # at every batch): every rank stops after step 8 with the synced parameters. With overlap_sync they do
+    # not meet there either: rank 0's flag, sent after step 8, is read after step 12, where every rank stops.
     if not adasum_strategies._compat.has_sigterm_agreement():
         pytest.skip("this Lightning has no SIGTERM agreement between ranks (added after 2.4)")
     worker = [sys.executable, "-m", "tests.workers.crossrank", str(tmp_path), "--case", "sigterm"]
     args = ["--strategy", "ddp_adasum", "--devices", "2", "--sync-every", "4", "--sigterm-step", "5"]
-    proc = run_job([*worker, *args], plain_env(), timeout=120, check=False, merged=True)
+    proc = run_job([*worker, *args, *(["--overlap-sync"] if overlap else [])], plain_env(), timeout=120,
+                   check=False, merged=True)  # fmt: skip
     assert proc.returncode != 0, proc.stdout[-3000:]
     ranks = load_ranks(tmp_path, 2)
-    assert [res["global_step"] for res in ranks] == [8, 8], proc.stdout[-3000:]
+    stop = 12 if overlap else 8
+    assert [res["global_step"] for res in ranks] == [stop, stop], proc.stdout[-3000:]
     assert [res["exception"] for res in ranks] == ["SIGTERMException"] * 2
     for name, tensor in ranks[0]["at_exception"].items():
-        assert torch.equal(tensor, ranks[1]["at_exception"][name]), name
+        # with overlap_sync each rank holds θ_sync plus its own last window until the checkpoint ends it
+        assert torch.equal(tensor, ranks[1]["at_exception"][name]) != overlap, name
         assert not torch.equal(tensor, ranks[0]["start"][name]), name
     (ckpt,) = (tmp_path / "ckpt").glob("*.ckpt")
-    assert torch.load(ckpt, weights_only=False)["global_step"] == 8
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["global_step"] == stop
+    assert [window["steps"] for window in saved[PERIODIC_SYNC_STATES]] == [0]  # saved where the window ended
 
 
 # ---------------------------------------------------------------- 8: SIGTERM to the launcher

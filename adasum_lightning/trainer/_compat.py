@@ -83,17 +83,14 @@ def has_sigterm_agreement() -> bool:
     return hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
 
 
-def hold_sigterm_agreement(trainer: Any, due: Callable[[], bool]) -> Callable[[], None]:
-    """Run Lightning's SIGTERM broadcast at the start of a training batch only where ``due()`` (the same on
-    every rank); returns the function that restores the broadcast at every batch."""
+def hold_sigterm_agreement(
+    trainer: Any, batch_start: Callable[[Callable[[], None]], None]
+) -> Callable[[], None]:
+    """Call ``batch_start(agree)`` at the start of each training batch instead of Lightning's SIGTERM
+    broadcast (``agree``: that broadcast, which raises ``SIGTERMException`` on every rank after rank 0's
+    SIGTERM); returns the function that restores the broadcast at every batch."""
     loop = trainer.fit_loop.epoch_loop
-    every_batch = loop._broadcast_sigterm_tensor
-
-    def where_due() -> None:
-        if due():
-            every_batch()
-
-    loop._broadcast_sigterm_tensor = where_due
+    loop._broadcast_sigterm_tensor = functools.partial(batch_start, loop._broadcast_sigterm_tensor)
     return functools.partial(loop.__dict__.pop, "_broadcast_sigterm_tensor", None)
 
 

@@ -104,6 +104,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         self._backward_steps: dict[int, BackwardAdasumStep | None] = {}  # None: the whole step
         self._window_ended = True  # the ranks met at the last optimizer step (or fit starts)
         self._restore_sigterm_agreement: Callable[[], None] | None = None
+        # overlap_sync: rank 0's SIGTERM flag, broadcast after each window end and read after the next one
+        self._sigterm_group: dist.ProcessGroup | None = None
+        self._sigterm_flag: tuple[dist.Work, torch.Tensor] | None = None
 
     @property
     def _every_step(self) -> bool:
@@ -125,6 +128,8 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         if (self.overlap_backward or self.overlap_sync) and self.world_size > 1 and fitting:
             # the worker thread's own process group (a collective: every rank builds it here)
             self._overlap_group = dist.new_group(backend=dist.get_backend(), timeout=self._timeout)
+        if self.overlap_sync and self.world_size > 1 and fitting and _compat.has_sigterm_agreement():
+            self._sigterm_group = dist.new_group(backend="gloo", timeout=self._timeout)
 
     @override
     def on_train_start(self) -> None:
@@ -132,12 +137,26 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         trainer = self.lightning_module.trainer
         if not self._every_step and self.world_size > 1 and _compat.has_sigterm_agreement():
             self._window_ended = True
-            self._restore_sigterm_agreement = _compat.hold_sigterm_agreement(trainer, self._ranks_met)
+            self._restore_sigterm_agreement = _compat.hold_sigterm_agreement(trainer, self._batch_start)
 
-    def _ranks_met(self) -> bool:
-        """True once per window end: the batch after it starts with Lightning's SIGTERM agreement."""
-        ended, self._window_ended = self._window_ended, False
-        return ended
+    def _batch_start(self, agree_on_sigterm: Callable[[], None]) -> None:
+        """Lightning's SIGTERM agreement at the first batch after a window end, where the ranks have just met.
+        With ``overlap_sync`` they do not meet there: rank 0's flag is broadcast without waiting, and read
+        (a SIGTERM then handled, and agreed on) after the next window end."""
+        if not self._window_ended:
+            return
+        self._window_ended = False
+        if self._sigterm_group is None:
+            agree_on_sigterm()
+            return
+        if self._sigterm_flag is not None:
+            work, flag = self._sigterm_flag
+            work.wait()
+            if flag.item():
+                self._deliver_pending_sigterm()  # rank 0's broadcast meets the others' agreement
+                agree_on_sigterm()
+        flag = torch.tensor([int(self._pending_sigterm is not None)])
+        self._sigterm_flag = (dist.broadcast(flag, 0, group=self._sigterm_group, async_op=True), flag)
 
     @override
     def _describe_reduction(self) -> str:
@@ -177,9 +196,9 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             else:
                 periodic = self._periodic_sync(optimizer, timeout)
                 output = periodic.step(local_step)
-                if periodic.steps:
-                    return output  # mid-window: a SIGTERM waits for the window end, where the ranks meet
-                self._window_ended = True
+                self._window_ended = self._window_ended or not periodic.steps
+                if periodic.steps or self._sigterm_group is not None:
+                    return output  # a SIGTERM waits for the batch where the ranks agree on it
         self._deliver_pending_sigterm()
         return output
 
@@ -298,6 +317,10 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         if self._overlap_group is not None:
             dist.destroy_process_group(self._overlap_group)
             self._overlap_group = None
+        flag, self._sigterm_flag = self._sigterm_flag, None
+        if self._sigterm_group is not None and (flag is None or flag[0].is_completed()):
+            dist.destroy_process_group(self._sigterm_group)  # else left to the process's end: a rank is gone
+        self._sigterm_group = None
         super().teardown()
 
 

@@ -13,7 +13,7 @@ stops early). Cases:
 - ``metrics``: ``trainer.validate`` with torchmetrics list states of different sizes per rank.
 - ``lbfgs``: the tiny classifier trained with ``torch.optim.LBFGS``.
 - ``sigterm``: rank 0 sends itself SIGTERM at ``--sigterm-step``; ``OnExceptionCheckpoint`` saves; with
-  ``--sync-every H``, ``ddp_adasum``'s local SGD (windows of H steps, ``combine="mean"``).
+  ``--sync-every H``, ``ddp_adasum``'s local SGD (windows of H steps, ``combine="mean"``; ``--overlap-sync``).
 - ``long``: the tiny classifier for many slow epochs, writing ``OUT_DIR/pid{r}`` and ``OUT_DIR/step{r}``.
 """
 
@@ -45,6 +45,7 @@ p.add_argument("--convert-sync-bn", action="store_true")
 p.add_argument("--sigterm-step", type=int, default=3)
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--sync-every", type=int, default=1, help="> 1: ddp_adasum with windows of this many steps")
+p.add_argument("--overlap-sync", action="store_true", help="with --sync-every: overlap_sync=True")
 args = p.parse_args(cases.argv())
 out = Path(args.out)
 
@@ -208,7 +209,7 @@ if args.convert_sync_bn:
 long = args.case in ("sigterm", "long")
 strategy = args.strategy
 if args.sync_every > 1:
-    strategy = DDPAdasumStrategy(sync_every=args.sync_every, combine="mean")
+    strategy = DDPAdasumStrategy(sync_every=args.sync_every, combine="mean", overlap_sync=args.overlap_sync)
 trainer = pl.Trainer(
     strategy=strategy,
     accelerator="cpu",

@@ -57,7 +57,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
         sync_every: local optimizer steps between syncs (local SGD, :mod:`adasum_lightning.local_sgd`). A
             window ends early where Lightning validates, saves a checkpoint or ends ``fit``. The ranks meet
             only where windows end, so Lightning's SIGTERM agreement runs there: a SIGTERM stops every rank
-            at the end of the window in progress.
+            at the end of the window in progress (with ``overlap_sync``, at the end of the next one).
         combine: ``"adasum"`` or ``"mean"``: how the ranks' pseudo-gradients are combined.
         outer_optimizer: None, or a callable that builds the outer optimizer from an optimizer's parameters,
             e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` (DiLoCo).

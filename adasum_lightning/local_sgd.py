@@ -36,6 +36,9 @@ __all__ = [
 
 #: The ways the ranks' pseudo-gradients are combined.
 COMBINES = ("adasum", "mean")
+#: Elements per piece of a window end's fused pass (:meth:`PeriodicSync._shift_window`): its four float32
+#: tensors' pieces (2 MiB) stay in cache between the pass's five operations.
+SHIFT_CHUNK = 1 << 17
 
 T = TypeVar("T")
 
@@ -222,45 +225,62 @@ class PeriodicSync:
         steps, self.steps = self.steps, 0
         if steps == 0 and self._pending is None:
             return
-        # Without an outer optimizer θ_sync ← θ_sync + C leaves θ alone: δ goes straight to the send buffers
-        direct = self.outer_optimizer is None and not flush
-        if steps and not direct:
-            for p, s in zip(self.params, self._start, strict=True):
-                torch.sub(p.detach(), s, out=s)
-        self._wait(direct)
-        packed = self._pack(self._start if direct else None) if steps else []
-        if flush:
-            self._combine_packed(packed, self.group)
-            if packed:
-                self._update(packed)
-            for p, s in zip(self.params, self._start, strict=True):
-                s.copy_(p.detach())
-            self.close()
-            return
-        for i, delta in _views(self.params, packed) if direct else ():
-            torch.add(self._synced[i], delta, out=self.params[i].data)
+        if self.outer_optimizer is None and not flush:
+            packed = self._shift_window()
+        else:
+            if steps:
+                for p, s in zip(self.params, self._start, strict=True):
+                    torch.sub(p.detach(), s, out=s)
+            self._wait()
+            packed = self._pack(None) if steps else []
+            if flush:
+                self._combine_packed(packed, self.group)
+                if packed:
+                    self._update(packed)
+                for p, s in zip(self.params, self._start, strict=True):
+                    s.copy_(p.detach())
+                self.close()
+                return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adasum-overlap-sync")
         self._pending = (self._worker.submit(self._combine_packed, packed, self.overlap_group), packed)
-        for p, s in zip(self.params, self._start, strict=True):
-            if not direct:
+        if self.outer_optimizer is not None:
+            for p, s in zip(self.params, self._start, strict=True):
                 p.detach().add_(s)
-            s.copy_(p.detach())
+                s.copy_(p.detach())
 
-    def _wait(self, direct: bool = False) -> None:
-        """Finish and apply the exchange in flight; the parameters become θ_sync, or with ``direct`` keep
-        their values (θ_sync += C)."""
+    def _shift_window(self) -> list[_Packed]:
+        """The window end without an outer optimizer, in one pass per chunk of :data:`SHIFT_CHUNK` elements
+        (each read from memory once): θ_sync += C (the exchange in flight, finished first), δ = θ − s into
+        the send buffers, θ ← θ_sync + δ, s ← θ. Returns the send buffers."""
+        assert self._start is not None and self._synced is not None
+        applying = self._finish()
+        packed = self._buffers()
+        for i, out in _views(self.params, packed):
+            for p, s, synced, sent in _chunks(self.params[i].detach(), self._start[i], self._synced[i], out):
+                if applying:
+                    synced.add_(sent)
+                torch.sub(p, s, out=s)
+                sent.copy_(s)
+                torch.add(synced, s, out=p)
+                s.copy_(p)
+        return packed
+
+    def _finish(self) -> bool:
+        """Wait for the exchange in flight, if any (raising what it raised); True if there was one."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending[0].result()
-        if direct:
-            for i, combined in _views(self.params, pending[1] if pending else []):
-                self._synced[i].add_(combined)  # type: ignore[index]
-        elif pending is None:
+        return pending is not None
+
+    def _wait(self) -> None:
+        """Finish and apply the exchange in flight; the parameters become θ_sync."""
+        pending = self._pending
+        if self._finish():
+            self._update(pending[1])  # type: ignore[index]
+        else:
             for p, s in zip(self.params, self._synced, strict=True):  # type: ignore[arg-type]
                 p.detach().copy_(s)
-        else:
-            self._update(pending[1])
 
     def _combine_packed(self, packed: list[_Packed], group: dist.ProcessGroup | None) -> None:
         """Every flat buffer of ``packed`` combined over ``group`` (the worker thread: ``overlap_group``)."""
@@ -285,10 +305,9 @@ class PeriodicSync:
         if on_final is not None:
             on_final(0, flat.numel())
 
-    def _pack(self, base: list[torch.Tensor] | None) -> list[_Packed]:
-        """The pseudo-gradients θ − ``base`` (None: the window starts, holding δ) per dtype and device, packed
-        in one flat buffer."""
-        assert self._synced is not None
+    def _buffers(self) -> list[_Packed]:
+        """Per dtype and device the parameters' indices, their offsets and one flat send buffer, in
+        :meth:`_send_dtype` (``overlap_sync``: kept across windows; else a :func:`workspace`)."""
         buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, p in enumerate(self.params):
             if p.numel():
@@ -296,19 +315,30 @@ class PeriodicSync:
         packed = []
         for (dtype, device), indices in buckets.items():
             offsets = list(accumulate((self.params[i].numel() for i in indices), initial=0))
+            send_dtype = self._send_dtype(dtype)
             if self._start is None:
-                flat = workspace(offsets[-1], dtype, device, slot="periodic-delta")
+                flat = workspace(offsets[-1], send_dtype, device, slot="periodic-delta")
             elif (dtype, device) not in self._send:
-                flat = self._send[dtype, device] = torch.empty(offsets[-1], dtype=dtype, device=device)
+                flat = self._send[dtype, device] = torch.empty(offsets[-1], dtype=send_dtype, device=device)
             else:
                 flat = self._send[dtype, device]
-            for i, at in zip(indices, offsets, strict=False):
-                out = flat[at : at + self.params[i].numel()]
-                if base is None:
-                    out.copy_(self._start[i].reshape(-1))  # type: ignore[index]
-                else:
-                    torch.sub(self.params[i].detach().reshape(-1), base[i].reshape(-1), out=out)
             packed.append((indices, offsets, flat))
+        return packed
+
+    def _send_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The send buffers' dtype for parameters of ``dtype``: Adasum's wire dtype itself where only the
+        exchange and θ_sync read the result (no outer optimizer: no wire copy), else ``dtype``."""
+        adasum_only = self.combine == "adasum" and self.outer_optimizer is None
+        return self.wire_dtype if adasum_only and self.wire_dtype is not None else dtype
+
+    def _pack(self, base: list[torch.Tensor] | None) -> list[_Packed]:
+        """The pseudo-gradients θ − ``base`` (None: the window starts, holding δ) in :meth:`_buffers`."""
+        packed = self._buffers()
+        for i, out in _views(self.params, packed):
+            if base is None:
+                out.copy_(self._start[i])  # type: ignore[index]
+            else:
+                torch.sub(self.params[i].detach(), base[i], out=out)
         return packed
 
     def _update(self, packed: list[_Packed]) -> None:
@@ -415,6 +445,18 @@ def _views(params: list[torch.Tensor], packed: list[_Packed]) -> Iterator[tuple[
     for indices, offsets, flat in packed:
         for i, at in zip(indices, offsets, strict=False):
             yield i, flat[at : at + params[i].numel()].view(params[i].shape)
+
+
+def _chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Matching 1-D pieces of at most :data:`SHIFT_CHUNK` elements of same-shape ``tensors``, or the whole
+    tensors where one is not contiguous."""
+    if not all(t.is_contiguous() for t in tensors):
+        yield tensors
+        return
+    flat = [t.view(-1) for t in tensors]
+    n = flat[0].numel()
+    for at in range(0, n, SHIFT_CHUNK):
+        yield tuple(t[at : at + SHIFT_CHUNK] for t in flat)
 
 
 def _counts(offsets: list[int]) -> list[int]:

@@ -193,7 +193,10 @@ PARTS = [
     "report",
 ]
 #: Parts run only when named in ``--only``.
-EXTRA_PARTS = ["study_ddp", "local_sgd"]
+#: ``slow_link_overlap``: the aim's row alone beside the ceiling and its neighbours (the 1 Gbit/s loopback
+#: block of ``slow_link`` with these variants, in the same interleaved rounds; no time to target).
+SLOW_LINK_OVERLAP = ["ceiling", "adasum_s10_overlap_bf16", "adasum_s10_bf16", "adasum_s10_overlap"]
+EXTRA_PARTS = ["study_ddp", "local_sgd", "slow_link_overlap"]
 
 
 def _ratios(runs: list[dict], sizes: list[int], num: str, den: str) -> list[dict]:
@@ -589,6 +592,14 @@ def main() -> None:
         start = time.perf_counter()
         save("slow_link", slow_link(cfg["slow_link"], out_dir, root))
         timings["slow_link"] = time.perf_counter() - start
+    if "slow_link_overlap" in parts:
+        from benchmarks.slow_link import run as slow_link
+
+        start = time.perf_counter()
+        block = {**cfg["slow_link"]["blocks"][0], "variants": SLOW_LINK_OVERLAP}
+        part = {**cfg["slow_link"], "blocks": [block], "target": None}
+        save("slow_link_overlap", slow_link(part, out_dir, root))
+        timings["slow_link_overlap"] = time.perf_counter() - start
     if "allreduce" in parts:
         start = time.perf_counter()
         save("allreduce", {"config": cfg, **allreduce(cfg, out_dir)})

@@ -217,12 +217,21 @@ def run_job(
 
 
 def kill_session(session: int) -> None:
-    """SIGKILL every process whose session id is ``session``."""
+    """SIGKILL every process whose session id is ``session``, and their descendants (torchrun starts its
+    workers in sessions of their own)."""
+    parents: dict[int, int] = {}
+    doomed: set[int] = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session
         except OSError:
             continue
-        if int(fields[3]) == session:  # state, ppid, pgrp, session
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(stat.parent.name), signal.SIGKILL)
+        pid = int(stat.parent.name)
+        parents[pid] = int(fields[1])
+        if int(fields[3]) == session:
+            doomed.add(pid)
+    while more := {pid for pid, parent in parents.items() if parent in doomed} - doomed:
+        doomed |= more
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -101,7 +102,8 @@ class UpdateReducingDDPStrategy(DDPStrategy):
         self._resumed_lr_factor: float | None = None
         #: The learning-rate factor applied when fitting started (None before).
         self.lr_factor: float | None = None
-        self._pending_sigterm: tuple[Any, int, Any] | None = None
+        self._sigterm_handler: Callable[[int, Any], Any] | None = None  # Lightning's, run after the step
+        self._pending_sigterm: tuple[int, Any] | None = None  # (signum, frame) received during the step
 
     @property
     @override
@@ -175,25 +177,29 @@ class UpdateReducingDDPStrategy(DDPStrategy):
 
     def _defer_sigterm_to_step_end(self) -> None:
         """Run Lightning's SIGTERM handler (a broadcast) after the step, not inside the update's reduction."""
-        lightning_handler = signal.getsignal(signal.SIGTERM)
-        if not callable(lightning_handler):
+        handler = signal.getsignal(signal.SIGTERM)
+        if not callable(handler):
             return
+        self._sigterm_handler = handler
 
         def record(signum: int, frame: Any) -> None:
             log.info(f"[rank: {self.global_rank}] SIGTERM received; handled when this optimizer step ends")
-            self._pending_sigterm = (lightning_handler, signum, frame)
+            self._pending_sigterm = (signum, frame)
 
         signal.signal(signal.SIGTERM, record)
 
-    def _deliver_pending_sigterm(self) -> None:
-        """Run the SIGTERM handler deferred during the step; every ``optimizer_step`` ends with it."""
-        if self._pending_sigterm is not None:
-            handler, signum, frame = self._pending_sigterm
-            self._pending_sigterm = None
-            handler(signum, frame)
-            if self.world_size > 1 and _compat.has_sigterm_agreement():
-                # the barrier the other ranks pass after taking that broadcast, before they stop
-                self.barrier("sigterm")
+    def _deliver_pending_sigterm(self, agreed: bool = False) -> None:
+        """Run the SIGTERM handler deferred during the step; every ``optimizer_step`` ends with it.
+        ``agreed``: the ranks have agreed on rank 0's SIGTERM, so it runs also where this rank's own has not
+        arrived (the handler's broadcast then runs on every rank)."""
+        pending, self._pending_sigterm = self._pending_sigterm, None
+        pending = (signal.SIGTERM, None) if agreed and pending is None else pending
+        if pending is None or self._sigterm_handler is None:
+            return
+        self._sigterm_handler(*pending)
+        if self.world_size > 1 and _compat.has_sigterm_agreement():
+            # the barrier the other ranks pass after taking that broadcast, before they stop
+            self.barrier("sigterm")
 
     def _validate_trainer(self, trainer: pl.Trainer) -> None:
         """Rules on the Trainer's settings and the module, checked before any step."""

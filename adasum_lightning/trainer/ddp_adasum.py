@@ -140,23 +140,26 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
             self._restore_sigterm_agreement = _compat.hold_sigterm_agreement(trainer, self._batch_start)
 
     def _batch_start(self, agree_on_sigterm: Callable[[], None]) -> None:
-        """Lightning's SIGTERM agreement at the first batch after a window end, where the ranks have just met.
-        With ``overlap_sync`` they do not meet there: rank 0's flag is broadcast without waiting, and read
-        (a SIGTERM then handled, and agreed on) after the next window end."""
+        """Lightning's SIGTERM agreement at the first batch after a window end, where the ranks have just met:
+        rank 0's flag (a SIGTERM received) is broadcast, and on its SIGTERM every rank runs the handler and
+        the agreement, also where its own SIGTERM (the launcher forwards it) has not arrived yet. With
+        ``overlap_sync`` the ranks do not meet there: the flag is sent without waiting, read after the next
+        window end."""
         if not self._window_ended:
             return
         self._window_ended = False
+        device = self.root_device if self._sigterm_group is None else torch.device("cpu")  # gloo's group
+        flag = torch.tensor([int(self._pending_sigterm is not None)], device=device)
+        sent = (dist.broadcast(flag, 0, group=self._sigterm_group, async_op=True), flag)
         if self._sigterm_group is None:
-            agree_on_sigterm()
-            return
-        if self._sigterm_flag is not None:
-            work, flag = self._sigterm_flag
-            work.wait()
-            if flag.item():
-                self._deliver_pending_sigterm()  # rank 0's broadcast meets the others' agreement
+            received: tuple[dist.Work, torch.Tensor] | None = sent
+        else:
+            received, self._sigterm_flag = self._sigterm_flag, sent
+        if received is not None:
+            received[0].wait()
+            if received[1].item():
+                self._deliver_pending_sigterm(agreed=True)
                 agree_on_sigterm()
-        flag = torch.tensor([int(self._pending_sigterm is not None)])
-        self._sigterm_flag = (dist.broadcast(flag, 0, group=self._sigterm_group, async_op=True), flag)
 
     @override
     def _describe_reduction(self) -> str:
@@ -197,7 +200,7 @@ class DDPAdasumStrategy(UpdateReducingDDPStrategy):
                 periodic = self._periodic_sync(optimizer, timeout)
                 output = periodic.step(local_step)
                 self._window_ended = self._window_ended or not periodic.steps
-                if periodic.steps or self._sigterm_group is not None:
+                if periodic.steps or self._restore_sigterm_agreement is not None:
                     return output  # a SIGTERM waits for the batch where the ranks agree on it
         self._deliver_pending_sigterm()
         return output

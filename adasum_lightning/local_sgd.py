@@ -306,8 +306,11 @@ class PeriodicSync:
             on_final(0, flat.numel())
 
     def _buffers(self) -> list[_Packed]:
-        """Per dtype and device the parameters' indices, their offsets and one flat send buffer, in
-        :meth:`_send_dtype` (``overlap_sync``: kept across windows; else a :func:`workspace`)."""
+        """Per dtype and device the parameters' indices, their offsets and one flat send buffer
+        (``overlap_sync``: kept across windows; else a :func:`workspace`). Its dtype is the wire dtype where
+        only the exchange and θ_sync read it (Adasum, no outer optimizer: no wire copy), else theirs."""
+        adasum_only = self.combine == "adasum" and self.outer_optimizer is None
+        wire_dtype = self.wire_dtype if adasum_only else None
         buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, p in enumerate(self.params):
             if p.numel():
@@ -315,7 +318,7 @@ class PeriodicSync:
         packed = []
         for (dtype, device), indices in buckets.items():
             offsets = list(accumulate((self.params[i].numel() for i in indices), initial=0))
-            send_dtype = self._send_dtype(dtype)
+            send_dtype = wire_dtype or dtype
             if self._start is None:
                 flat = workspace(offsets[-1], send_dtype, device, slot="periodic-delta")
             elif (dtype, device) not in self._send:
@@ -324,12 +327,6 @@ class PeriodicSync:
                 flat = self._send[dtype, device]
             packed.append((indices, offsets, flat))
         return packed
-
-    def _send_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The send buffers' dtype for parameters of ``dtype``: Adasum's wire dtype itself where only the
-        exchange and θ_sync read the result (no outer optimizer: no wire copy), else ``dtype``."""
-        adasum_only = self.combine == "adasum" and self.outer_optimizer is None
-        return self.wire_dtype if adasum_only and self.wire_dtype is not None else dtype
 
     def _pack(self, base: list[torch.Tensor] | None) -> list[_Packed]:
         """The pseudo-gradients θ − ``base`` (None: the window starts, holding δ) in :meth:`_buffers`."""

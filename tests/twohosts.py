@@ -131,6 +131,18 @@ def netns_pids(netns: str) -> list[int]:
     return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
 
 
+def remove_orphaned_namespaces() -> None:
+    """Delete the namespaces (and folders) of earlier runs whose process is gone with nothing left in them:
+    a run killed with SIGKILL (a cut session, ``timeout -s KILL``) cannot tear down."""
+    for ns in _sh("ip", "netns", "list").stdout.split():
+        pid = ns[3:-5]  # adl<pid><4 hex digits><A|B>
+        if not (ns.startswith("adl") and pid.isdigit()) or Path(f"/proc/{pid}").exists() or netns_pids(ns):
+            continue
+        _sh("ip", "netns", "del", ns)
+        for folder in Path(tempfile.gettempdir()).glob(f"twohosts-{ns[:-1]}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class TwoHosts:
     """hostA and hostB; see the module docstring. Build with :func:`two_hosts` (it always tears down)."""
 
@@ -402,6 +414,7 @@ class LostNode:
 @contextlib.contextmanager
 def two_hosts() -> Iterator[TwoHosts]:
     """hostA and hostB for the duration of the block; torn down (and checked) even on errors."""
+    remove_orphaned_namespaces()
     hosts = TwoHosts()
     try:
         hosts.create()
